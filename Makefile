@@ -1,0 +1,38 @@
+# tokenline: `make serve` to run the OpenAI API on 127.0.0.1:8000, `make test` to run every test.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export TOKENLINE_CACHE ?= $(HOME)/.cache/tokenline
+MODEL := $(TOKENLINE_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
+STAMP := $(VENV)/.installed
+
+.PHONY: install model test test-fast bench-engine serve clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: pip takes the CPU build from this machine's disk instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(MODEL): | $(STAMP)
+	$(BIN)/python -m engine.model_fetch --dest $(MODEL)
+
+model: $(MODEL)
+
+test: install model
+	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench-engine: install model
+	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,158 @@
+"""AsyncEngine: LLMEngine's step loop on its own thread, streaming outputs to asyncio consumers.
+
+The event loop never runs a step: a request is validated on the caller's side, handed to the step thread
+through a queue, and its outputs come back through an asyncio.Queue per request. Outputs that pile up
+while the consumer is busy are merged into one, so a slow consumer receives fewer, larger messages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineOutput, EngineStats
+from engine.sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[EngineOutput]:
+        """Streams outputs until the request finishes; closing the iterator aborts the request."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine step loop has stopped: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
+        outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time()))
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                while not outputs.empty() and isinstance(item, EngineOutput):
+                    more = outputs.get_nowait()
+                    if isinstance(more, BaseException):
+                        item = more
+                        break
+                    item = item.merge(more)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._send(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, message: _Add | _Abort | None) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._send(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not engine.has_unfinished():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # the loop must tell every waiter, whatever killed it
+            log.exception("engine step loop died")
+            self.error = exc
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, EngineDeadError(f"engine step loop died: {exc!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message is None:
+                return
+            if isinstance(message, _Abort):
+                self.engine.abort(message.request_id)
+                continue
+            with self._lock:
+                alive = message.request_id in self._streams
+            if not alive:
+                continue  # its consumer left before the step loop saw it
+            try:
+                self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                        message.arrival_time)
+            except ValueError as exc:
+                self._deliver(message.request_id, exc)
+
+    def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is None:
+            if isinstance(item, EngineOutput) and not item.finished:
+                self.engine.abort(request_id)  # nobody is listening any more
+            return
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:
+            self.engine.abort(request_id)  # the consumer's loop is closed

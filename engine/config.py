@@ -1,0 +1,129 @@
+"""Typed configuration: the model's shape (ModelArgs) and the engine's knobs (EngineConfig)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The shape of a Llama-family decoder, read from a HF config or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelArgs":
+        model_type = getattr(config, "model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model type {model_type!r} is not supported; "
+                             f"tokenline runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rope = _rope_parameters(config)
+        eos = config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            bos_token_id=getattr(config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings across transformers versions (`rope_parameters` in v5, `rope_scaling` before)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    return params
+
+
+def default_num_threads() -> int:
+    """CPUs this process may use (cgroup/affinity aware), which is what torch's intra-op pool should match."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine replica needs to start. Sizes are in tokens unless named otherwise."""
+
+    model: str
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool: an explicit block count wins; otherwise the pool is sized from this memory budget.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    # oneDNN-prepacked linear weights on CPU (bf16); falls back to F.linear if the ops are missing.
+    prepack_weights: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    step_history: int = 512
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two; got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        resolve_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)

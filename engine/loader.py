@@ -1,0 +1,136 @@
+"""Model sources: a Hugging Face folder (config.json, safetensors, tokenizer) or a GGUF file.
+
+Only local paths: nothing here reaches a hub.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """ModelArgs and fp32/bf16 tensors named as transformers names them."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist (run `make model` for the default model)")
+    if is_gguf(path):
+        return _load_gguf(path)
+    return _load_hf_folder(path)
+
+
+def _load_hf_folder(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return args, weights
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported")
+    f = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    hidden, num_heads = f("embedding_length"), f("attention.head_count")
+    num_kv_heads = f("attention.head_count_kv", num_heads)
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = f("vocab_size") or int(tensors["token_embd.weight"].shape[-1])
+    head_dim = f("attention.key_length") or hidden // num_heads
+    rope_scaling = None
+    if _gguf_field(reader, f"{arch}.rope.scaling.type") in ("linear", "yarn"):
+        rope_scaling = {"rope_type": f("rope.scaling.type"), "factor": f("rope.scaling.factor"),
+                        "original_max_position_embeddings": f("rope.scaling.original_context_length")}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    args = ModelArgs(
+        architecture="llama" if arch == "mistral" else arch, vocab_size=int(vocab), hidden_size=int(hidden),
+        intermediate_size=int(f("feed_forward_length")), num_layers=int(f("block_count")),
+        num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")), rope_theta=float(f("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(f("context_length")), tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rope_scaling=rope_scaling, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+    weights = {}
+    for name, tensor in tensors.items():
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            # llama.cpp interleaves q/k rows for its RoPE; undo it for the neox-style rotation.
+            heads = args.num_heads if ".attn_q." in name else args.num_kv_heads
+            array = _unpermute_qk(array, heads)
+        weights[_hf_name(name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    return args, weights
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    _, layer, part, kind = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The model's tokenizer with its chat template: from the HF folder, or rebuilt from GGUF metadata."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if is_gguf(path):
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def read_generation_eos(path: str | Path) -> tuple[int, ...]:
+    """Extra stop ids from generation_config.json (chat models often end turns with another token)."""
+    gen = Path(path) / "generation_config.json"
+    if is_gguf(path) or not gen.exists():
+        return ()
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

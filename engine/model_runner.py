@@ -1,0 +1,121 @@
+"""Turns a scheduled batch into one forward pass: flattened tokens, positions, slots, block tables; then samples."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk, select_backend
+from engine.config import EngineConfig, ModelArgs
+from engine.models.layers import onednn_prepack_available
+from engine.models.llama import LlamaForCausalLM
+from engine.request import TokenLogprobs
+from engine.sampler import Sampler, SamplingBatch, gather_logprobs
+from engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, args: ModelArgs, weights: dict[str, torch.Tensor],
+                 max_model_len: int) -> None:
+        self.config = config
+        self.args = args
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        backend = select_backend(config.attention_backend, self.device, args.num_heads, args.num_kv_heads,
+                                 args.head_dim, config.block_size)
+        self.attention_backend = backend.name
+        model = LlamaForCausalLM(args, backend, self.dtype, max_model_len)
+        model.load_weights(weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.prepacked = False
+        if config.prepack_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            if onednn_prepack_available():
+                self.model.prepack_linears()
+                self.prepacked = True
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        self.sampler = Sampler()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        a = self.args
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        return max(1, self.config.kv_cache_memory_bytes // self.kv_bytes_per_block)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Runs the batch; returns the sampled token (and logprobs) of each request that samples."""
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        input_ids, positions, meta, sample_rows = self._prepare(ordered)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return {}
+        requests = [s.request for s, _ in sample_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows], device=self.device)])
+        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device)
+        tokens, logprobs = self.sampler(logits, batch)
+        results: dict[str, tuple[int, TokenLogprobs | None]] = {r.request_id: (t, None) for r, t in zip(requests, tokens)}
+        if logprobs is not None:
+            rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+            lps = gather_logprobs(logprobs, rows, [tokens[i] for i in rows],
+                                  [requests[i].sampling_params.logprobs for i in rows])
+            for i, lp in zip(rows, lps):
+                results[requests[i].request_id] = (tokens[i], lp)
+        return results
+
+    def _prepare(self, ordered: list[ScheduledRequest]):
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos_starts, q_lens, seq_lens, tables = [], [], [], []
+        sample_rows = []
+        for s in ordered:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            ids.extend(r.all_token_ids[start:start + n])
+            pos_starts.append(start)
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(r.block_ids)
+            if s.samples:
+                sample_rows.append((s, len(ids) - 1))
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+        q_lens_t = torch.tensor(q_lens)
+        seq_lens_t = torch.tensor(seq_lens)
+        # Position of every new token: its request's start, plus its offset within the chunk.
+        req_of_token = torch.repeat_interleave(torch.arange(len(ordered)), q_lens_t)
+        query_start = torch.zeros(len(ordered) + 1, dtype=torch.int64)
+        query_start[1:] = q_lens_t.cumsum(0)
+        positions = torch.tensor(pos_starts)[req_of_token] + torch.arange(len(ids)) - query_start[:-1][req_of_token]
+        slot_mapping = block_tables[req_of_token, positions // bs] * bs + positions % bs
+
+        meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes)
+        if num_decodes:
+            max_len = int(seq_lens_t[:num_decodes].max())
+            p = torch.arange(max_len)
+            meta.decode_slots = (block_tables[:num_decodes, p // bs] * bs + p % bs).to(dev)
+            meta.decode_mask = (p.unsqueeze(0) < seq_lens_t[:num_decodes].unsqueeze(1)).view(
+                num_decodes, 1, 1, max_len).to(dev)
+        for i in range(num_decodes, len(ordered)):
+            ctx, n = pos_starts[i], q_lens[i]
+            slots = None
+            if ctx:
+                p = torch.arange(ctx + n)
+                slots = (block_tables[i, p // bs] * bs + p % bs).to(dev)
+            meta.prefills.append(PrefillChunk(int(query_start[i]), n, ctx, slots))
+        if self.attention_backend != "torch":
+            meta.seq_lens = seq_lens_t.to(dev, torch.int32)
+            meta.query_start_loc = query_start.to(dev, torch.int32)
+            meta.block_tables = block_tables.to(dev, torch.int32)
+            meta.max_query_len, meta.max_seq_len = max(q_lens), max(seq_lens)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return input_ids, positions.to(dev), meta, sample_rows

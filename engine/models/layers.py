@@ -1,0 +1,132 @@
+"""Building blocks: a linear layer that can use oneDNN-prepacked weights on CPU, RMSNorm, RoPE."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def onednn_prepack_available() -> bool:
+    """Private oneDNN ops that inductor's freezing uses; absent or changed in some torch builds."""
+    try:
+        w = torch.randn(8, 8, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return bool(torch.allclose(out.float(), F.linear(torch.ones(2, 8, dtype=torch.bfloat16), w).float(), atol=1e-2))
+    except (AttributeError, RuntimeError) as exc:
+        log.info("oneDNN prepacked linear unavailable (%s); using F.linear", exc)
+        return False
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers: normalise in fp32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for the config's RoPE type (as transformers computes them)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling, max_position)
+    raise ValueError(f"RoPE scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn")
+
+
+def _yarn(head_dim: int, theta: float, s: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_len = s.get("original_max_position_embeddings") or max_position
+    mscale = s.get("mscale")
+    mscale_all = s.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all:
+        attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+    else:
+        attention_factor = s.get("attention_factor") or get_mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (transformers' rotate_half) from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :self.half], x[..., self.half:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin

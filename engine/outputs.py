@@ -1,0 +1,70 @@
+"""Records the engine hands out: per-request outputs and per-step scheduler stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import RequestTimings, TokenLogprobs
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request; ``new_token_ids`` may be empty (mid-prefill, or aborted)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    timings: RequestTimings | None = None  # set on the final output
+
+    def merge(self, later: "EngineOutput") -> "EngineOutput":
+        """Coalesce two outputs of one request (streaming in fewer, larger messages)."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.logprobs = self.logprobs + later.logprobs
+        for name in ("finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "num_preemptions",
+                     "timings"):
+            setattr(self, name, getattr(later, name))
+        return self
+
+
+@dataclass
+class SchedulerStats:
+    """One engine step: the batch it ran and the state it left behind."""
+
+    step: int
+    time: float  # wall clock at step start
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_preempted: int
+    prefix_cache_queries: int  # tokens looked up this step
+    prefix_cache_hits: int
+    num_finished: int
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters and the current gauges, for metrics and health."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    block_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_finished_requests: int

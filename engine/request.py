@@ -1,0 +1,118 @@
+"""A request's state inside the engine: its tokens, progress, blocks and timestamps."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.hashing import BlockHash, hash_block_chain
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything above this line is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock timestamps (time.time()) and a monotonic twin for durations within this process."""
+
+    arrival: float
+    queued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
+    preemptions: list[float] = field(default_factory=list)
+    resumptions: list[float] = field(default_factory=list)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 block_size: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
+                 extra_keys: tuple | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        # The one number of progress: how many of all_token_ids have their KV in the cache.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, extra_keys)
+        self.stop_ids = set(sampling_params.stop_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
+        self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time())
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.extend(hash_block_chain(self.all_token_ids, self.block_size, self.extra_keys,
+                                                      parent, start=len(self.block_hashes) * self.block_size))
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The status this request finishes with after its newest token, or None if it goes on."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in self.stop_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

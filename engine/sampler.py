@@ -1,0 +1,98 @@
+"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Sampling uses the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws exactly from p and lets a
+seeded request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprobs
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors; built once per step from the requests that sample."""
+
+    temperature: torch.Tensor  # [B, 1]; 1.0 for greedy rows (unused there)
+    top_k: torch.Tensor | None  # [B] (vocab size = off)
+    top_p: torch.Tensor | None  # [B, 1]
+    min_p: torch.Tensor | None  # [B, 1]
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked for min_tokens
+    generators: list[tuple[int, torch.Generator]]  # seeded rows
+    max_logprobs: int | None
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        params = [r.sampling_params for r in requests]
+        greedy = [p.greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        banned = []
+        for row, r in enumerate(requests):
+            if r.num_output_tokens < r.sampling_params.min_tokens:
+                stop = set(r.stop_ids)
+                if not r.sampling_params.ignore_eos:
+                    stop |= r.eos_token_ids
+                if stop:
+                    banned.append((row, sorted(stop)))
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, device=device).unsqueeze(1),
+            top_k=torch.tensor(top_ks, device=device) if any(k < vocab_size for k in top_ks) else None,
+            top_p=torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+            if any(p.top_p < 1.0 for p in params) else None,
+            min_p=torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            if any(p.min_p > 0 for p in params) else None,
+            greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy),
+            banned=banned,
+            generators=[(row, r.generator) for row, r in enumerate(requests) if r.generator is not None],
+            max_logprobs=max(want) if want else None,
+        )
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], torch.Tensor | None]:
+        """Returns sampled token ids and, when asked for, log-probabilities of the raw logits."""
+        logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        if batch.all_greedy:
+            return logits.argmax(dim=-1).tolist(), logprobs
+        greedy_tokens = logits.argmax(dim=-1)
+        logits = logits / batch.temperature
+        if batch.top_k is not None:
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (batch.top_k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if batch.top_p is not None:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Drop a token once the mass before it already reaches top_p (the top token always stays).
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= batch.top_p
+            probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+        if batch.min_p is not None:
+            probs = probs.masked_fill(probs < batch.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in batch.generators:
+            noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(batch.greedy, greedy_tokens, sampled).tolist(), logprobs
+
+
+def gather_logprobs(logprobs: torch.Tensor, rows: list[int], tokens: list[int],
+                    num_top: list[int]) -> list[TokenLogprobs]:
+    """The sampled token's logprob and its top alternatives, for the rows that asked."""
+    k = max(num_top)
+    row_index = torch.tensor(rows)
+    chosen = logprobs[row_index, torch.tensor(tokens)].tolist()
+    top_vals, top_ids = (logprobs[row_index].topk(k, dim=-1) if k else (None, None))
+    out = []
+    for i, (token, lp, n) in enumerate(zip(tokens, chosen, num_top)):
+        top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())) if n else []
+        out.append(TokenLogprobs(token, lp, top))
+    return out
