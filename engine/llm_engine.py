@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from engine.config import EngineConfig, default_num_threads
+from engine.config import EngineConfig, ModelArgs, default_num_threads
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
 from engine.model_runner import ModelRunner
@@ -20,11 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
+        """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
-        args, weights = load_model_source(config.model)
+        args, weights = source or load_model_source(config.model)
         self.model_args = args
         limit = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
