@@ -20,3 +20,23 @@ def smollm2_path() -> Path:
     if not path.exists():
         pytest.skip(f"default model not at {path}: run `make model` (make test does it)")
     return path
+
+
+@pytest.fixture(scope="session")
+def serve_app(smollm2_path: Path):
+    """The real app on a local Ray (2 engine replicas, SmolLM2 in bf16), started on first use, stopped at the end.
+
+    Yields a LocalServe: `.base_url` (http://127.0.0.1:PORT), `.model` (the served name), `.metrics_url`,
+    `.engine_replica_stats()` (each engine replica's own ReplicaStats) and `.scrape_metrics()`.
+    """
+    from deployments import local
+    from deployments.config import AppArgs
+
+    # A KV pool smaller than the model's context, so the engine's own capacity check is reachable too.
+    args = AppArgs(model=str(smollm2_path), num_engine_replicas=2, engine_num_cpus=1, num_kv_blocks=384,
+                   ingress_max_replicas=1)
+    app = local.start(args, num_cpus=2)
+    try:
+        yield app
+    finally:
+        app.stop()

@@ -1,0 +1,37 @@
+"""The app builder: `serve run deployments.app:build_app num_engine_replicas=2 ...` or `serve run serve_config.yaml`."""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.config import AppArgs
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import OpenAIIngress
+
+
+def build_app(args: AppArgs) -> Application:
+    """Engine replicas (one accelerator each, or a CPU share) behind one autoscaled OpenAI ingress."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    # Resolve defaults here, once, so every replica loads the same file.
+    args = args.model_copy(update={"model": args.model_path(), "served_model_name": args.model_name()})
+    if args.ingress_max_replicas < args.ingress_min_replicas:
+        raise ValueError(f"ingress_max_replicas ({args.ingress_max_replicas}) is below ingress_min_replicas "
+                         f"({args.ingress_min_replicas})")
+    actor_options: dict[str, Any] = {"num_cpus": args.engine_num_cpus}
+    if args.engine_num_gpus:
+        actor_options["num_gpus"] = args.engine_num_gpus
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=args.num_engine_replicas, max_ongoing_requests=args.engine_max_ongoing_requests,
+        ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=5,
+    ).bind(args)
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,
+                            "initial_replicas": args.ingress_min_replicas,
+                            "target_ongoing_requests": args.ingress_target_ongoing_requests},
+        max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus}, graceful_shutdown_timeout_s=5,
+    )
+    return ingress.bind(engine, args)

@@ -1,0 +1,80 @@
+"""The app's typed arguments: the same schema for `serve run deployments.app:build_app k=v`, the YAML and Python."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.config import EngineConfig
+
+
+class EngineArgs(BaseModel):
+    """Engine knobs, named as in EngineConfig; unset ones take the engine's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    prepack_weights: bool = True
+    num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
+    seed: int = 0
+
+
+class AppArgs(BaseModel):
+    """Everything `build_app` needs. Flat engine fields override `engine` so `serve run ... dtype=float32` works."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = Field(None, description="GGUF file or HF folder; default: the fetched SmolLM2 GGUF")
+    served_model_name: str | None = Field(None, description="name clients send as `model`; default: file stem")
+    num_engine_replicas: int = Field(2, ge=1)
+    engine_num_cpus: float = Field(1.0, ge=0)
+    engine_num_gpus: float = Field(0.0, ge=0)
+    engine_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_num_cpus: float = Field(0.0, ge=0)
+    ingress_min_replicas: int = Field(1, ge=1)
+    ingress_max_replicas: int = Field(2, ge=1)
+    ingress_target_ongoing_requests: float = Field(64, gt=0)
+    ingress_max_ongoing_requests: int = Field(512, ge=1)
+    # Seconds an engine replica waits after sending a chunk before sending the next: 0 sends one per engine step.
+    stream_interval_s: float = Field(0.0, ge=0, le=1.0)
+    stats_interval_s: float = Field(1.0, gt=0)
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    dtype: Literal["bfloat16", "float32", "float16"] | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+
+    def model_path(self) -> str:
+        if self.model:
+            return str(Path(self.model).expanduser())
+        from engine.model_fetch import default_model_path
+        return str(default_model_path())
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(self.model_path())
+        return path.name.split(".")[0] if path.suffix == ".gguf" else path.name
+
+    def engine_args(self) -> EngineArgs:
+        overrides = {name: getattr(self, name) for name in ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")
+                     if getattr(self, name) is not None}
+        return self.engine.model_copy(update=overrides)
+
+    def engine_config(self) -> EngineConfig:
+        args = self.engine_args()
+        device = "cuda" if self.engine_num_gpus > 0 else "cpu"
+        # torch's intra-op pool matches the CPUs Ray reserved for the replica, never the whole machine.
+        threads = args.num_threads or max(1, math.ceil(self.engine_num_cpus))
+        return EngineConfig(model=self.model_path(), device=device, **args.model_dump(exclude={"num_threads"}),
+                            num_threads=threads)

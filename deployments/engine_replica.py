@@ -1,0 +1,162 @@
+"""EngineReplica: one AsyncEngine behind a Ray Serve deployment, streaming token ids to the ingress.
+
+A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
+request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
+the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from deployments.config import AppArgs
+from deployments.context import replica_id
+from deployments.engine_metrics import EngineMetrics
+from deployments.records import EngineRequest, GenerationChunk, ModelInfo, ReplicaStats, RequestRejected
+from engine import AsyncEngine, InvalidRequestError
+from engine.outputs import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    async def __init__(self, args: AppArgs) -> None:
+        config = args.engine_config()
+        self.engine = AsyncEngine(config)
+        self.replica_id = replica_id()
+        self.stream_interval_s = args.stream_interval_s
+        self.metrics = EngineMetrics(args.model_name(), self.replica_id, self.engine.engine.max_model_len)
+        self._num_active_streams = 0
+        self._stats_task = asyncio.create_task(self._record_stats_forever(args.stats_interval_s))
+        log.info("engine replica %s ready: %s, %d torch threads", self.replica_id, config.model, config.num_threads)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
+        """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
+        try:
+            self.engine.engine.validate(request.prompt_token_ids, request.sampling)
+        except InvalidRequestError as exc:
+            yield RequestRejected(str(exc), exc.param)
+            return
+        self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+        self._num_active_streams += 1
+        try:
+            choices = [self._choice(request, i) for i in range(request.n)]
+            batches = _one_by_one(choices[0]) if request.n == 1 else _merged(choices)
+            async for batch in batches:
+                yield batch
+                if self.stream_interval_s:
+                    await asyncio.sleep(self.stream_interval_s)
+        finally:
+            self._num_active_streams -= 1
+
+    async def _choice(self, request: EngineRequest, index: int) -> AsyncIterator[GenerationChunk]:
+        params = request.sampling
+        if index and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)  # n seeded samples must differ
+        last_token_time: float | None = None
+        async for out in self.engine.generate(request.prompt_token_ids, params, f"{request.request_id}-{index}",
+                                              request.arrival_time or None):
+            now = time.time()
+            if out.new_token_ids:
+                if last_token_time is None:
+                    self.metrics.record_first_token(now - (request.arrival_time or now))
+                else:
+                    self.metrics.record_token_gap(now - last_token_time, len(out.new_token_ids))
+                last_token_time = now
+            if out.finished:
+                self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
+                                             out.num_output_tokens, out.timings)
+            yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
+                                  finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                                  num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
+                                  logprobs=out.logprobs)
+
+    async def model_info(self) -> ModelInfo:
+        core = self.engine.engine
+        stats = core.stats()
+        return ModelInfo(max_model_len=core.max_model_len, vocab_size=core.model_args.vocab_size,
+                         eos_token_ids=tuple(core.eos_token_ids), num_kv_blocks=stats.num_kv_blocks,
+                         block_size=stats.block_size)
+
+    async def stats(self) -> ReplicaStats:
+        return self._stats()
+
+    def _stats(self) -> ReplicaStats:
+        s = self.engine.stats()
+        return ReplicaStats(replica_id=self.replica_id, num_running=s.num_running, num_waiting=s.num_waiting,
+                            kv_usage=s.kv_usage, num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
+                            num_used_kv_blocks=s.num_kv_blocks - s.num_free_kv_blocks,
+                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                            num_preemptions=s.num_preemptions, num_finished_requests=s.num_finished_requests,
+                            num_active_streams=self._num_active_streams)
+
+    def record_routing_stats(self) -> dict[str, float | str]:
+        """Ray Serve's request-router hook: this replica's load, refreshed every routing-stats period."""
+        return dataclasses.asdict(self._stats())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom-autoscaling hook: read by the policy as `ctx.aggregated_metrics`."""
+        s = self.engine.stats()
+        return {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running)}
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy:
+            raise RuntimeError(f"engine step loop is down: {self.engine.error!r}")
+
+    async def _record_stats_forever(self, interval_s: float) -> None:
+        while True:
+            try:
+                self.metrics.record_engine(self.engine.stats(), _snapshot(self.engine.engine.step_history))
+            except Exception:  # metrics must never take the replica down
+                log.exception("recording engine metrics failed")
+            await asyncio.sleep(interval_s)
+
+    def __del__(self) -> None:
+        self.engine.shutdown(timeout=5.0)
+
+
+async def _one_by_one(stream: AsyncIterator[GenerationChunk]) -> AsyncIterator[list[GenerationChunk]]:
+    async for chunk in stream:
+        yield [chunk]
+
+
+async def _merged(streams: list[AsyncIterator[GenerationChunk]]) -> AsyncIterator[list[GenerationChunk]]:
+    """Interleaves the choices of one request; cancelling the consumer cancels (and so aborts) every choice."""
+    queue: asyncio.Queue[GenerationChunk | Exception] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[GenerationChunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait(chunk)
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(streams)
+    try:
+        while remaining:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for item in batch:
+                if isinstance(item, Exception):
+                    raise item
+            remaining -= sum(1 for chunk in batch if chunk.finished)
+            yield batch
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _snapshot(steps) -> list[SchedulerStats]:
+    for _ in range(5):
+        try:
+            return list(steps)
+        except RuntimeError:  # the step thread appended mid-copy
+            continue
+    return []
+

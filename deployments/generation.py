@@ -1,0 +1,117 @@
+"""One request's stream from an engine replica, turned into per-choice text deltas, finish reasons and usage."""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments.detokenizer import IncrementalDetokenizer
+from deployments.errors import OpenAIError
+from deployments.records import GenerationChunk, RequestRejected
+from deployments.responses import PromptTokensDetails, Usage
+from engine.request import TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None  # set on the choice's last delta
+
+
+@dataclass
+class ChoiceState:
+    detokenizer: IncrementalDetokenizer
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    engine_finished: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Generation:
+    """Reads the replica's stream; stops it early once every choice has met a stop string."""
+
+    def __init__(self, responses: Any, n: int, num_prompt_tokens: int,
+                 make_detokenizer: Callable[[], IncrementalDetokenizer]) -> None:
+        self._responses = responses  # a DeploymentResponseGenerator of list[GenerationChunk] | RequestRejected
+        self.num_prompt_tokens = num_prompt_tokens
+        self.choices = [ChoiceState(make_detokenizer()) for _ in range(n)]
+        self._first: list[GenerationChunk] | None = None
+
+    async def start(self) -> None:
+        """Waits for the first message, so a refused request becomes an HTTP error before any byte is sent."""
+        first = await self._next()
+        if first is None:
+            raise OpenAIError(503, "the engine closed the stream before producing anything")
+        self._first = first
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        try:
+            batch = self._first
+            self._first = None
+            while batch is not None:
+                deltas = [d for chunk in batch if (d := self._advance(chunk)) is not None]
+                if deltas:
+                    yield deltas
+                if self.finished:
+                    return
+                batch = await self._next()
+            if not self.finished:
+                raise OpenAIError(503, "the engine stream ended before every choice finished")
+        finally:
+            self.cancel()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def cancel(self) -> None:
+        """Ends the replica's stream, aborting what still runs there, unless the engine already finished it."""
+        if not all(c.engine_finished for c in self.choices):
+            self._responses.cancel()
+
+    def usage(self) -> Usage:
+        completion = sum(c.num_output_tokens for c in self.choices)
+        cached = max((c.num_cached_tokens for c in self.choices), default=0)
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    async def _next(self) -> list[GenerationChunk] | None:
+        try:
+            message = await self._responses.__anext__()
+        except StopAsyncIteration:
+            for choice in self.choices:
+                choice.engine_finished = True
+            return None
+        except OpenAIError:
+            raise
+        except Exception as exc:  # the replica failed or went away: the caller's input was fine
+            log.exception("engine stream failed")
+            raise OpenAIError(503, f"the engine replica failed: {type(exc).__name__}") from exc
+        if isinstance(message, RequestRejected):
+            code = "context_length_exceeded" if "context length" in message.message else None
+            raise OpenAIError(400, message.message, message.param, code)
+        return message
+
+    def _advance(self, chunk: GenerationChunk) -> ChoiceDelta | None:
+        choice = self.choices[chunk.index]
+        choice.engine_finished = chunk.finished
+        if choice.finish_reason is not None:
+            return None  # a stop string already ended this choice
+        choice.num_cached_tokens = chunk.num_cached_tokens
+        step = choice.detokenizer.push(chunk.token_ids)
+        choice.token_ids.extend(chunk.token_ids[:step.num_tokens])
+        choice.num_output_tokens += step.num_tokens
+        text = step.text
+        if step.stopped:
+            choice.finish_reason = "stop"
+        elif chunk.finished:
+            choice.finish_reason = chunk.finish_reason or "stop"
+            text += choice.detokenizer.flush()
+        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason)

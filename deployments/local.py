@@ -1,0 +1,97 @@
+"""A local Ray cluster running the app, on loopback only: for tests, benchmarks and scripts.
+
+Everything it starts belongs to this process's Ray session, and `stop()` ends all of it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from deployments.config import AppArgs
+from deployments.records import ReplicaStats
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "tokenline"
+REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#EngineReplica#"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalServe:
+    base_url: str  # e.g. http://127.0.0.1:8000, the OpenAI API lives under /v1
+    model: str  # the served model name clients send
+    metrics_url: str  # Ray's Prometheus export of this node
+    args: AppArgs
+
+    def engine_replica_stats(self) -> list[ReplicaStats]:
+        """Each engine replica's own stats, asked of every replica actor (a handle call would reach just one)."""
+        import ray
+
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(REPLICA_ACTOR_PREFIX)]
+        actors = [ray.get_actor(name, namespace="serve") for name in names]
+        reports = ray.get([actor.record_routing_stats.remote() for actor in actors], timeout=30)
+        return [ReplicaStats(**report) for report in reports]
+
+    def scrape_metrics(self, timeout_s: float = 10.0) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout_s) as response:
+            return response.read().decode()
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metrics_port: int | None = None,
+          metrics_report_interval_ms: int = 1000, ready_timeout_s: float = 300.0) -> LocalServe:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    http_port = http_port or free_port()
+    metrics_port = metrics_port or free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             _metrics_export_port=metrics_port, log_to_driver=False, configure_logging=False,
+             _system_config={"metrics_report_interval_ms": metrics_report_interval_ms})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        app = build_app(args)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        local = LocalServe(base_url=f"http://127.0.0.1:{http_port}", model=args.model_name(),
+                           metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", args=args)
+        wait_ready(local.base_url, ready_timeout_s)
+    except BaseException:
+        serve.shutdown()
+        ray.shutdown()
+        raise
+    return local
+
+
+def wait_ready(base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=10) as response:
+                if json.loads(response.read()).get("status") == "ok":
+                    return
+        except Exception as exc:  # not up yet
+            last = exc
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health did not answer within {timeout_s:.0f}s: {last!r}")

@@ -1,0 +1,147 @@
+"""Generation deltas in OpenAI's shapes: whole responses, and SSE streams that end with `data: [DONE]`."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from deployments.errors import OpenAIError
+from deployments.generation import ChoiceDelta, Generation
+from deployments.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                   ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionChunk,
+                                   CompletionLogprobs, CompletionResponse, DeltaMessage, TokenLogprob, TopLogprob, Usage)
+from engine.request import TokenLogprobs
+
+log = logging.getLogger(__name__)
+DONE = "data: [DONE]\n\n"
+
+
+def sse(model: Any) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+class TokenText:
+    """Token strings for logprobs, decoded one token at a time as OpenAI reports them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def chat_logprobs(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = self(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[TokenLogprob(**top(e.token_id, e.logprob).model_dump(),
+                                                  top_logprobs=[top(t, lp) for t, lp in e.top])
+                                     for e in entries])
+
+    def completion_logprobs(self, entries: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for e in entries:
+            text = self(e.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append({self(t): lp for t, lp in e.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+async def collect(generation: Generation) -> list[tuple[str, list[TokenLogprobs], str | None]]:
+    """Each choice's whole text, logprob entries and finish reason."""
+    texts = [""] * len(generation.choices)
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in generation.choices]
+    async for deltas in generation.deltas():
+        for d in deltas:
+            texts[d.index] += d.text
+            logprobs[d.index].extend(d.logprobs)
+    return [(texts[i], logprobs[i], c.finish_reason) for i, c in enumerate(generation.choices)]
+
+
+async def completion_response(generation: Generation, request_id: str, model: str, echo: str,
+                              tokens: TokenText, want_logprobs: bool) -> CompletionResponse:
+    choices = []
+    for index, (text, entries, finish) in enumerate(await collect(generation)):
+        logprobs = tokens.completion_logprobs(entries, len(echo)) if want_logprobs else None
+        choices.append(CompletionChoice(index=index, text=echo + text, logprobs=logprobs, finish_reason=finish))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=generation.usage())
+
+
+async def chat_response(generation: Generation, request_id: str, model: str, tokens: TokenText,
+                        want_logprobs: bool) -> ChatCompletionResponse:
+    choices = []
+    for index, (text, entries, finish) in enumerate(await collect(generation)):
+        logprobs = tokens.chat_logprobs(entries) if want_logprobs else None
+        choices.append(ChatChoice(index=index, message=AssistantMessage(content=text), logprobs=logprobs,
+                                  finish_reason=finish))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=generation.usage())
+
+
+async def completion_stream(generation: Generation, request_id: str, model: str, echo: str, tokens: TokenText,
+                            want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    offsets = [len(echo)] * len(generation.choices)
+    prefixes = [echo] * len(generation.choices)
+
+    def chunk(d: ChoiceDelta) -> str:
+        text = prefixes[d.index] + d.text
+        prefixes[d.index] = ""
+        logprobs = tokens.completion_logprobs(d.logprobs, offsets[d.index]) if want_logprobs else None
+        offsets[d.index] += len(d.text)
+        return sse(CompletionChunk(id=request_id, created=created, model=model, choices=[
+            CompletionChoice(index=d.index, text=text, logprobs=logprobs, finish_reason=d.finish_reason)]))
+
+    def usage() -> str:
+        return sse(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=generation.usage()))
+
+    async for text in _sse_events(generation, chunk, "", usage if include_usage else None):
+        yield text
+
+
+async def chat_stream(generation: Generation, request_id: str, model: str, tokens: TokenText, want_logprobs: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def frame(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+    def chunk(d: ChoiceDelta) -> str:
+        out = ""
+        if d.text or d.logprobs or d.finish_reason is None:
+            logprobs = tokens.chat_logprobs(d.logprobs) if want_logprobs else None
+            out = frame([ChatChunkChoice(index=d.index, delta=DeltaMessage(content=d.text), logprobs=logprobs)])
+        if d.finish_reason is not None:  # OpenAI closes each choice with an empty delta carrying the reason
+            out += frame([ChatChunkChoice(index=d.index, delta=DeltaMessage(), finish_reason=d.finish_reason)])
+        return out
+
+    def usage() -> str:
+        return frame([], generation.usage())
+
+    opening = "".join(frame([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                      for i in range(len(generation.choices)))
+    async for text in _sse_events(generation, chunk, opening, usage if include_usage else None):
+        yield text
+
+
+async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str], opening: str,
+                      usage: Callable[[], str] | None) -> AsyncIterator[str]:
+    """One SSE write per engine message; an error after the first byte becomes an SSE error event, then [DONE]."""
+    pending = opening
+    try:
+        async for deltas in generation.deltas():
+            yield pending + "".join(chunk(d) for d in deltas)
+            pending = ""
+        if usage is not None:
+            pending += usage()
+    except OpenAIError as exc:
+        log.warning("stream ended by an error: %s", exc)
+        pending += sse(exc.body)
+    yield pending + DONE
