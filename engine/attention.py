@@ -1,8 +1,8 @@
-"""Attention over a paged KV cache, behind one interface with a `torch` and a `flash-attn` backend.
+"""Attention over a paged KV cache, behind one interface with `torch`, `cpu` and `flash-attn` backends.
 
-The cache of one layer is a pair of tensors shaped ``[num_blocks, block_size, num_kv_heads, head_dim]``;
-viewed flat, token slot ``s`` lives at ``s // block_size, s % block_size``. A step's tokens come flattened:
-first one token per decoding request, then each prefilling request's chunk.
+Each backend chooses its cache layout per layer. A step's tokens come flattened: first one token per
+decoding request, then each prefilling request's chunk. Token slot ``s`` is offset ``s % block_size`` of
+block ``s // block_size``.
 """
 from __future__ import annotations
 
@@ -20,18 +20,17 @@ class PrefillChunk:
     query_start: int  # offset of its first token in the flattened batch
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
-    kv_slots: torch.Tensor | None  # slots of positions [0, context_len + query_len) when context_len > 0
+    block_ids: torch.Tensor | None  # blocks holding positions [0, context_len + query_len), when context_len > 0
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decodes: int
-    # Decodes, batched: slots of every cached position (padded) and which of them are real.
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_seq_len]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_seq_len] bool
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, context including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # For kernels that read the cache through block tables (flash-attn).
+    # For kernels that take the whole batch through block tables (flash-attn).
     seq_lens: torch.Tensor | None = None  # [num_requests] context after this step, decodes first
     query_start_loc: torch.Tensor | None = None  # [num_requests + 1]
     block_tables: torch.Tensor | None = None  # [num_requests, max_blocks]
@@ -42,12 +41,16 @@ class AttentionMetadata:
 class AttentionBackend:
     name = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.block_size = block_size
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -56,48 +59,73 @@ class AttentionBackend:
 
 
 class TorchAttention(AttentionBackend):
-    """Gathers K/V through the slot tables and calls SDPA: runs on any device torch runs on."""
+    """Plain PyTorch on any device: copies a request's blocks out of the cache, then calls SDPA or matmuls.
+
+    The cache is ``[blocks, kv_heads, block_size, head_dim]`` so one block of one head is contiguous.
+    """
 
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        blocks, offsets = meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size
         # All writes precede all reads, so a request may read blocks another one fills in this same step.
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta)
+            out[:nd] = self._decode(q[:nd].contiguous(), k_cache, v_cache, meta).reshape(nd, -1)
         for chunk in meta.prefills:
             s, n = chunk.query_start, chunk.query_len
-            out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], k_flat, v_flat, chunk)
+            out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], k_cache, v_cache, chunk)
         return out
 
-    def _decode(self, q, k_flat, v_flat, meta):
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """[..., nblocks] block ids -> [..., kv_heads, nblocks * block_size, head_dim]."""
+        lead = block_ids.shape[:-1]
+        g = cache.index_select(0, block_ids.reshape(-1)).view(*lead, block_ids.shape[-1], self.num_kv_heads,
+                                                               self.block_size, self.head_dim)
+        g = g.movedim(-3, -4)
+        return g.reshape(*lead, self.num_kv_heads, -1, self.head_dim)
+
+    def _decode(self, q, k_cache, v_cache, meta):
         b = q.shape[0]
         # One query token per request: fold the GQA group into the query axis, no K/V repeat needed.
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        keys = k_flat[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_flat[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
-        return o.reshape(b, self.num_heads * self.head_dim)
+        keys = self._gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
+        values = self._gather(v_cache, meta.decode_block_tables)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        valid = (positions.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)).view(b, 1, 1, -1)
+        scores = (qg @ keys.transpose(-1, -2)).float() * self.scale
+        probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1).to(q.dtype)
+        return probs @ values
 
-    def _prefill(self, q, k, v, k_flat, v_flat, chunk: PrefillChunk):
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk):
         n = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.context_len == 0:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kh = k_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
-            vh = v_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
             total = chunk.context_len + n
+            kh = self._gather(k_cache, chunk.block_ids)[:, :total].unsqueeze(0)
+            vh = self._gather(v_cache, chunk.block_ids)[:, :total].unsqueeze(0)
             rows = torch.arange(n, device=q.device).unsqueeze(1) + chunk.context_len
             mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+
+class CpuAttention(TorchAttention):
+    """TorchAttention with decodes in a native kernel that reads K/V in place through the block table."""
+
+    name = "cpu"
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        from engine.kernels import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                      self.scale)
 
 
 class FlashAttention(AttentionBackend):
@@ -105,10 +133,13 @@ class FlashAttention(AttentionBackend):
 
     name = "flash-attn"
 
-    def __init__(self, num_heads, num_kv_heads, head_dim):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         from flash_attn import flash_attn_varlen_func  # optional dependency: the `gpu` extra
         self._varlen = flash_attn_varlen_func
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -124,18 +155,27 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
                    head_dim: int, block_size: int) -> AttentionBackend:
     if name == "auto":
         name = "torch"
-        if device.type == "cuda" and block_size % 256 == 0:
+        if device.type == "cpu":
+            from engine.kernels import cpu_kernels_available
+            if cpu_kernels_available():
+                name = "cpu"
+        elif device.type == "cuda" and block_size % 256 == 0:
             try:
                 import flash_attn  # noqa: F401
                 name = "flash-attn"
             except ImportError:
                 log.info("flash-attn is not installed; using the torch attention backend")
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, block_size)
+    if name == "cpu":
+        from engine.kernels import cpu_kernels_available
+        if device.type != "cpu" or not cpu_kernels_available():
+            raise ValueError("the cpu attention backend needs a CPU device and a working C++ compiler")
+        return CpuAttention(num_heads, num_kv_heads, head_dim, block_size)
     if name == "flash-attn":
         if device.type != "cuda":
             raise ValueError("the flash-attn backend needs a CUDA device")
         if block_size % 256:
             raise ValueError(f"flash-attn's paged KV needs block_size a multiple of 256, got {block_size}")
-        return FlashAttention(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flash-attn")
+        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
+    raise ValueError(f"unknown attention backend {name!r}; use auto, torch, cpu or flash-attn")

@@ -36,7 +36,7 @@ class ModelRunner:
                 self.model.prepack_linears()
                 self.prepacked = True
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
+        shape = backend.kv_cache_shape(self.num_blocks)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.sampler = Sampler()
@@ -72,6 +72,9 @@ class ModelRunner:
                 results[requests[i].request_id] = (tokens[i], lp)
         return results
 
+    def kv_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def _prepare(self, ordered: list[ScheduledRequest]):
         bs, dev = self.block_size, self.device
         ids: list[int] = []
@@ -100,18 +103,13 @@ class ModelRunner:
 
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes)
         if num_decodes:
-            max_len = int(seq_lens_t[:num_decodes].max())
-            p = torch.arange(max_len)
-            meta.decode_slots = (block_tables[:num_decodes, p // bs] * bs + p % bs).to(dev)
-            meta.decode_mask = (p.unsqueeze(0) < seq_lens_t[:num_decodes].unsqueeze(1)).view(
-                num_decodes, 1, 1, max_len).to(dev)
+            decode_blocks = self.kv_blocks_needed(int(seq_lens_t[:num_decodes].max()))
+            meta.decode_block_tables = block_tables[:num_decodes, :decode_blocks].to(dev)
+            meta.decode_seq_lens = seq_lens_t[:num_decodes].to(dev)
         for i in range(num_decodes, len(ordered)):
             ctx, n = pos_starts[i], q_lens[i]
-            slots = None
-            if ctx:
-                p = torch.arange(ctx + n)
-                slots = (block_tables[i, p // bs] * bs + p % bs).to(dev)
-            meta.prefills.append(PrefillChunk(int(query_start[i]), n, ctx, slots))
+            block_ids = block_tables[i, :self.kv_blocks_needed(ctx + n)].to(dev) if ctx else None
+            meta.prefills.append(PrefillChunk(int(query_start[i]), n, ctx, block_ids))
         if self.attention_backend != "torch":
             meta.seq_lens = seq_lens_t.to(dev, torch.int32)
             meta.query_start_loc = query_start.to(dev, torch.int32)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import cpu_kernels_available
 from tests.tiny_models import FAMILIES, write_tiny_model
 
 ROPE_VARIANTS = {
@@ -37,6 +38,10 @@ def _rope_kwargs(variant: str | None) -> dict:
     return {"rope_parameters": {"rope_theta": 10000.0, **ROPE_VARIANTS[variant]}}
 
 
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels"))]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(tmp_path, family):
     hf = write_tiny_model(tmp_path, family)
@@ -57,10 +62,13 @@ def test_scaled_rope_matches_transformers(tmp_path, variant):
     torch.testing.assert_close(engine_logits(engine, prompt.tolist()), expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_continuations_match_generate(tmp_path, family):
+def test_greedy_continuations_match_generate(tmp_path, family, backend):
     hf = write_tiny_model(tmp_path, family, seed=3)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=128))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=128,
+                                    attention_backend=backend))
+    assert engine.runner.attention_backend == backend
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 90, 120, 7, 48)]
     ours = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))

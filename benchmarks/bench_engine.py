@@ -1,0 +1,193 @@
+"""Offline engine benchmark: our engine against transformers' `generate` on the same prompts, in one run.
+
+Random 256-token prompts, 128 output tokens (ignore_eos), concurrency 1, 8 and 32. Prints a table and
+writes JSON. Also measures this machine's matmul GFLOP/s so the numbers can be read against the roofline.
+
+    python -m benchmarks.bench_engine --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import ModelArgs, default_num_threads, resolve_dtype
+from engine.loader import load_model_source
+
+log = logging.getLogger("bench_engine")
+
+
+@dataclass
+class EngineRun:
+    dtype: str
+    concurrency: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    prefill_tok_s: float
+    decode_ms_per_step_p50: float
+    decode_only_tok_s: float
+    steps: int
+    step_samples: list[tuple[int, int, float]]  # (prefill tokens, decode tokens, seconds): a step-time model's data
+
+
+@dataclass
+class HFRun:
+    dtype: str
+    batch: int
+    wall_s: float
+    output_tok_s: float
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def flops_per_token(args: ModelArgs, context: float) -> float:
+    """Matmul FLOPs for one token: every linear layer plus the LM head, plus attention over `context` tokens."""
+    h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
+    q = args.num_heads * args.head_dim
+    linear = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
+    attention = 4 * q * context
+    return 2 * (args.num_layers * linear + h * args.vocab_size) + args.num_layers * attention
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(300, 40000, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: str) -> EngineRun:
+    engine.kv.reset_prefix_cache()
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    first_step = engine.stats().num_steps
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    steps = [s for s in engine.step_history if s.step > first_step]
+    decode = sorted(s.duration_s for s in steps if s.num_prefill_tokens == 0)
+    prefill_steps = [s for s in steps if s.num_decode_tokens == 0 and s.num_prefill_tokens]
+    prefill_time = sum(s.duration_s for s in prefill_steps)
+    decode_p50 = statistics.median(decode) if decode else float("nan")
+    produced = sum(len(o) for o in outputs)
+    return EngineRun(dtype, len(prompts), produced, wall, produced / wall,
+                     sum(s.num_prefill_tokens for s in prefill_steps) / prefill_time if prefill_time else 0.0,
+                     decode_p50 * 1000, len(prompts) / decode_p50, len(steps),
+                     [(s.num_prefill_tokens, s.num_decode_tokens, round(s.duration_s, 6)) for s in steps])
+
+
+def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype,
+           batches: list[int]) -> list[HFRun]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args, weights = load_model_source(model_path)
+    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+                         num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+                         head_dim=args.head_dim, rms_norm_eps=args.rms_norm_eps,
+                         max_position_embeddings=args.max_position_embeddings,
+                         tie_word_embeddings=args.tie_word_embeddings,
+                         rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(weights, strict=False)
+    model = model.to(dtype).eval()
+    runs = []
+    for batch in batches:
+        ids = torch.tensor(prompts[:batch])
+        with torch.inference_mode():
+            model.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            wall = time.perf_counter() - start
+        produced = (out.shape[1] - ids.shape[1]) * batch
+        runs.append(HFRun(str(dtype).removeprefix("torch."), batch, wall, produced / wall))
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--compare-dtype", default="float32", help="also time the engine in this dtype ('' to skip)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batches", default="1,32", help="transformers generate batch sizes ('' to skip)")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--out", default="results/bench_engine.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    prompts = random_prompts(max(concurrencies), args.input_len, seed=0)
+    source = load_model_source(args.model)
+    model_args = source[0]
+
+    runs: list[EngineRun] = []
+    backend = None
+    for dtype in [args.dtype] + ([args.compare_dtype] if args.compare_dtype else []):
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=max(concurrencies),
+                                        attention_backend=args.attention_backend), source=source)
+        backend = backend or engine.runner.attention_backend
+        run_engine(engine, prompts[:2], 8, dtype)  # warm-up: kernels, allocator
+        for c in concurrencies if dtype == args.dtype else [1, max(concurrencies)]:
+            runs.append(run_engine(engine, prompts[:c], args.output_len, dtype))
+            log.info("engine %s c=%d: %.1f tok/s", dtype, c, runs[-1].output_tok_s)
+        del engine
+
+    hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else []
+    hf_runs = run_hf(Path(args.model), prompts, args.output_len, resolve_dtype(args.dtype), hf_batches)
+    gflops = {"bfloat16": matmul_gflops(torch.bfloat16), "float32": matmul_gflops(torch.float32)}
+
+    avg_context = args.input_len + args.output_len / 2
+    per_output = (flops_per_token(model_args, avg_context) * (args.input_len + args.output_len)
+                  / args.output_len)
+    per_decode = flops_per_token(model_args, avg_context)
+    peak = gflops[args.dtype if args.dtype in gflops else "bfloat16"] * 1e9
+    roofline = {"output_tok_s": peak / per_output, "decode_only_tok_s": peak / per_decode}
+
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {default_num_threads()} threads, "
+          f"torch {torch.__version__}, attention backend: {backend}")
+    print(f"matmul GFLOP/s: bf16 {gflops['bfloat16']:.0f}, fp32 {gflops['float32']:.0f}; "
+          f"roofline {roofline['output_tok_s']:.0f} output tok/s, {roofline['decode_only_tok_s']:.0f} decode-only")
+    print(f"{'dtype':9} {'conc':>4} {'out tok/s':>10} {'prefill tok/s':>13} {'decode ms/step':>14} "
+          f"{'decode tok/s':>12} {'vs HF':>6} {'roofline':>8}")
+    hf_by_batch = {r.batch: r for r in hf_runs}
+    for r in runs:
+        hf = hf_by_batch.get(r.concurrency) if r.dtype == args.dtype else None
+        ratio = f"{r.output_tok_s / hf.output_tok_s:.2f}x" if hf else "-"
+        print(f"{r.dtype:9} {r.concurrency:4d} {r.output_tok_s:10.1f} {r.prefill_tok_s:13.0f} "
+              f"{r.decode_ms_per_step_p50:14.1f} {r.decode_only_tok_s:12.1f} {ratio:>6} "
+              f"{r.output_tok_s / roofline['output_tok_s']:8.1%}")
+    for r in hf_runs:
+        print(f"transformers generate {r.dtype} batch {r.batch}: {r.output_tok_s:.1f} tok/s")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+        "threads": default_num_threads(), "torch": torch.__version__, "attention_backend": backend,
+        "matmul_gflops": gflops, "flops_per_output_token": per_output, "roofline": roofline,
+        "engine": [asdict(r) for r in runs], "transformers": [asdict(r) for r in hf_runs],
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
