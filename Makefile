@@ -34,5 +34,16 @@ test-fast: install
 bench-engine: install model
 	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
 
+# Load tests against a running server: `make serve` in one shell, then `make bench` or `make locust` in another.
+.PHONY: bench locust
+URL ?= http://127.0.0.1:8000
+bench: install model
+	$(BIN)/python -m loadtests.bench --url $(URL) --concurrency 1,4,16 --num-requests 32 --isl 256 --osl 64 \
+		--ignore-eos --warmup-requests 2 --artifact-dir results/bench $(LOADTEST_ARGS)
+
+locust: install model
+	$(BIN)/locust -f loadtests/locustfile.py --headless -u 8 -r 2 -t 60s --host $(URL) --csv results/locust/locust \
+		--html results/locust/report.html --records-jsonl results/locust/records.jsonl $(LOCUST_ARGS)
+
 clean:
 	rm -rf $(VENV) results .pytest_cache
