@@ -5,8 +5,12 @@ BIN := $(VENV)/bin
 export TOKENLINE_CACHE ?= $(HOME)/.cache/tokenline
 MODEL := $(TOKENLINE_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP := $(VENV)/.installed
+SERVE_CONFIG ?= serve_config.yaml
+HTTP_PORT ?= 8000
+DASHBOARD_PORT ?= 8265
+METRICS_PORT ?= 8080
 
-.PHONY: install model test test-fast bench-engine serve clean
+.PHONY: install model test test-fast bench-engine serve bench-serve serve-smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +37,18 @@ test-fast: install
 
 bench-engine: install model
 	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
+
+# The OpenAI API on 127.0.0.1:$(HTTP_PORT) (1 ingress, 2 engine replicas); Ray dashboard on 127.0.0.1:$(DASHBOARD_PORT).
+serve: install model
+	$(BIN)/python -m deployments.run --http-port $(HTTP_PORT) --dashboard-port $(DASHBOARD_PORT) \
+		--metrics-port $(METRICS_PORT) $(SERVE_CONFIG)
+
+bench-serve: install model
+	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
+
+# `make serve` from a fresh clone of this checkout, answered by one chat request, then stopped.
+serve-smoke:
+	bash scripts/serve_smoke.sh
 
 # Load tests against a running server: `make serve` in one shell, then `make bench` or `make locust` in another.
 .PHONY: bench locust

@@ -1,0 +1,227 @@
+"""The cost of the Ray path: the served app over HTTP against the in-process AsyncEngine, on the same prompts.
+
+Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs
+with one engine replica holding both CPUs. Prints a table and writes JSON.
+
+    python -m benchmarks.bench_serve --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+
+log = logging.getLogger("bench_serve")
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    gaps_s: list[float]  # between consecutive streamed chunks
+    e2e_s: float
+    output_tokens: int
+
+
+@dataclass
+class LevelResult:
+    path: str  # "engine" or "serve(stream_interval_s=...)"
+    concurrency: int
+    requests: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    tpot_p50_s: float
+    failures: int = 0
+
+
+@dataclass
+class Report:
+    prompt_tokens: int
+    output_tokens: int
+    levels: list[LevelResult] = field(default_factory=list)
+    ratios: dict[str, dict[int, float]] = field(default_factory=dict)  # serve tok/s over engine tok/s
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(path: str, concurrency: int, results: list[RequestResult | None], wall_s: float) -> LevelResult:
+    done = [r for r in results if r is not None]
+    gaps = [g for r in done for g in r.gaps_s]
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return LevelResult(path=path, concurrency=concurrency, requests=len(results), wall_s=wall_s,
+                       output_tok_s=sum(r.output_tokens for r in done) / wall_s,
+                       ttft_p50_s=percentile([r.ttft_s for r in done], 0.5),
+                       ttft_p99_s=percentile([r.ttft_s for r in done], 0.99),
+                       itl_p50_s=percentile(gaps, 0.5), itl_p99_s=percentile(gaps, 0.99),
+                       tpot_p50_s=percentile(tpots, 0.5), failures=len(results) - len(done))
+
+
+async def run_level(one: Callable[[list[int]], Awaitable[RequestResult | None]], prompts: list[list[int]],
+                    concurrency: int) -> tuple[list[RequestResult | None], float]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: list[int]) -> RequestResult | None:
+        async with gate:
+            return await one(prompt)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(p) for p in prompts))
+    return list(results), time.perf_counter() - start
+
+
+def engine_request(engine: AsyncEngine, output_tokens: int) -> Callable[[list[int]], Awaitable[RequestResult]]:
+    async def one(prompt: list[int]) -> RequestResult:
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        times, tokens = [], 0
+        async for out in engine.generate(prompt, params):
+            if out.new_token_ids:
+                times.append(time.perf_counter())
+                tokens += len(out.new_token_ids)
+        return RequestResult(times[0] - start, [b - a for a, b in zip(times, times[1:])], times[-1] - start, tokens)
+    return one
+
+
+def http_request(session: aiohttp.ClientSession, base_url: str, model: str,
+                 output_tokens: int) -> Callable[[list[int]], Awaitable[RequestResult | None]]:
+    async def one(prompt: list[int]) -> RequestResult | None:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start = time.perf_counter()
+        times, tokens = [], 0
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                log.warning("request failed: %s %s", response.status, await response.text())
+                return None
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if any(c.get("text") for c in event.get("choices", [])):
+                    times.append(time.perf_counter())
+        if not times:
+            return None
+        return RequestResult(times[0] - start, [b - a for a, b in zip(times, times[1:])], times[-1] - start, tokens)
+    return one
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def requests_for(concurrency: int) -> int:
+    return max(4, 2 * concurrency)
+
+
+async def bench_engine(config: EngineConfig, prompt_sets: dict[int, list[list[int]]], output_tokens: int,
+                       warmup: list[list[int]]) -> list[LevelResult]:
+    engine = AsyncEngine(config)
+    try:
+        one = engine_request(engine, output_tokens)
+        await run_level(one, warmup, len(warmup))
+        out = []
+        for concurrency, prompts in prompt_sets.items():
+            results, wall = await run_level(one, prompts, concurrency)
+            out.append(summarize("engine", concurrency, results, wall))
+            log.info("%s", out[-1])
+        return out
+    finally:
+        engine.shutdown()
+
+
+async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[int, list[list[int]]],
+                     output_tokens: int, warmup: list[list[int]]) -> list[LevelResult]:
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
+        one = http_request(session, base_url, model, output_tokens)
+        await run_level(one, warmup, len(warmup))
+        out = []
+        for concurrency, prompts in prompt_sets.items():
+            results, wall = await run_level(one, prompts, concurrency)
+            out.append(summarize(label, concurrency, results, wall))
+            log.info("%s", out[-1])
+        return out
+
+
+def print_table(report: Report) -> None:
+    print(f"\n{'path':<28} {'conc':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'TPOT p50':>9} {'fail':>4}")
+    for r in report.levels:
+        print(f"{r.path:<28} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
+              f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4}")
+    for label, by_level in report.ratios.items():
+        ratios = ", ".join(f"c={c}: {ratio:.0%}" for c, ratio in by_level.items())
+        print(f"{label} / engine throughput: {ratios}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--stream-intervals", default="0", help="comma-separated stream_interval_s values to try")
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the one engine replica (and its threads)")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    from deployments import local
+    from deployments.config import AppArgs, EngineArgs
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    vocab = 49152
+    prompt_sets = {c: make_prompts(requests_for(c), args.prompt_tokens, vocab, seed=c) for c in levels}
+    warmup = make_prompts(2, args.prompt_tokens, vocab, seed=999)
+    report = Report(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
+    engine_args = EngineArgs(dtype=args.dtype, num_threads=args.num_cpus)
+    if not args.skip_engine:
+        config = AppArgs(model=args.model, engine=engine_args, engine_num_cpus=args.num_cpus).engine_config()
+        report.levels += asyncio.run(bench_engine(config, prompt_sets, args.output_tokens, warmup))
+    for interval in (float(x) for x in args.stream_intervals.split(",")):
+        label = f"serve(stream_interval={interval:g}s)"
+        app_args = AppArgs(model=args.model, num_engine_replicas=1, engine_num_cpus=args.num_cpus,
+                           ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args)
+        served = local.start(app_args, num_cpus=args.num_cpus)
+        try:
+            report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
+                                                    args.output_tokens, warmup))
+        finally:
+            served.stop()
+    engine_tok_s = {r.concurrency: r.output_tok_s for r in report.levels if r.path == "engine"}
+    for r in report.levels:
+        if r.path != "engine" and r.concurrency in engine_tok_s:
+            report.ratios.setdefault(r.path, {})[r.concurrency] = r.output_tok_s / engine_tok_s[r.concurrency]
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(asdict(report), indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
