@@ -121,11 +121,19 @@ class CpuAttention(TorchAttention):
 
     name = "cpu"
 
-    def _decode(self, q, k_cache, v_cache, meta):
-        from engine.kernels import paged_decode_attention
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        from engine import kernels
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                      self.scale)
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            kernels.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_seq_lens, self.scale)
+        for chunk in meta.prefills:
+            s, n = chunk.query_start, chunk.query_len
+            out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], k_cache, v_cache, chunk)
+        return out
 
 
 class FlashAttention(AttentionBackend):

@@ -30,6 +30,8 @@ class ModelRunner:
         model = LlamaForCausalLM(args, backend, self.dtype, max_model_len)
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if backend.name == "cpu":
+            self.model.use_cpu_kernels()
         self.prepacked = False
         if config.prepack_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             if onednn_prepack_available():

@@ -30,15 +30,40 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        source = Path(__file__).with_name("paged_attention_cpu.cpp")
-        load(name="tokenline_cpu_kernels", sources=[str(source)], is_python_module=False,
+        here = Path(__file__).parent
+        load(name="tokenline_cpu_kernels", sources=[str(here / "paged_attention_cpu.cpp"),
+                                                    str(here / "layers_cpu.cpp")], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
-        return hasattr(torch.ops.tokenline, "paged_decode_attention")
+        return all(hasattr(torch.ops.tokenline, op) for op in
+                   ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
         log.warning("CPU kernels unavailable, using plain PyTorch attention: %s", exc)
         return False
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.ops.tokenline.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
+    torch.ops.tokenline.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * norm(x), or with a residual: residual += x (in place), then weight * norm(residual)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.tokenline.rms_norm(out, x, residual, weight, eps)
+    return out
+
+
+def rotary_embedding_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_q_heads: int,
+                      num_kv_heads: int, head_dim: int) -> None:
+    torch.ops.tokenline.rotary_embedding(qkv, positions, cos_sin, num_q_heads, num_kv_heads, head_dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+    torch.ops.tokenline.silu_and_mul(out, gate_up)
+    return out
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    torch.ops.tokenline.write_kv_cache(k, v, k_cache, v_cache, slots)

@@ -2,7 +2,6 @@
 // through the block table (no gathered copy), online softmax in fp32, GQA groups sharing each K/V read.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -39,8 +38,9 @@ inline void store_row(const float* src, T* dst, int64_t d) {
 }
 
 template <typename scalar_t>
-void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, scalar_t* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
+                   const int64_t* seq_lens, scalar_t* out, int64_t out_stride, int64_t batch, int64_t num_heads,
+                   int64_t num_kv_heads,
                    int64_t head_dim, int64_t block_size, int64_t max_blocks, double scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
@@ -52,7 +52,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
       const int64_t* table = block_tables + b * max_blocks;
       scores.assign(group * len, 0.f);
       for (int64_t g = 0; g < group; ++g) {
-        load_row(q + (b * num_heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
+        load_row(q + b * q_stride + (h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
         for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] *= static_cast<float>(scale);
       }
       // Pass 1: every score, reading each K row once for the whole GQA group.
@@ -91,33 +91,37 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        store_row(acc.data() + g * head_dim, out + (b * num_heads + h * group + g) * head_dim, head_dim);
+        store_row(acc.data() + g * head_dim, out + b * out_stride + (h * group + g) * head_dim, head_dim);
       }
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [batch, heads, head_dim] tensor");
+// out [batch, heads * head_dim] (rows may be strided) <- attention of q [batch, heads, head_dim] (heads contiguous).
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
+              "out must be [batch, heads * head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, out and caches must share a dtype");
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(q);
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim mismatch between q and the cache");
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch,
-                            num_heads, num_kv_heads, head_dim, block_size, bt.size(1), scale);
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                            out.data_ptr<scalar_t>(), out.stride(0), batch, num_heads, num_kv_heads, head_dim,
+                            block_size, bt.size(1), scale);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(static_cast<float*>(nullptr)); break;
@@ -125,13 +129,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     case at::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
   }
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenline, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

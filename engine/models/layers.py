@@ -41,12 +41,25 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given a residual it first adds x into it and normalises the sum (returning both)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.fused = False  # the native CPU kernel; set by the model when it is available
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            from engine.kernels import rms_norm
+            out = rms_norm(x, self.weight, self.eps, residual)  # updates residual in place
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers: normalise in fp32, cast back, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -120,6 +133,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        # fp32 [position, cos(half) | sin(half)] for the native CPU kernel, which rotates q and k in place.
+        # A plain attribute, not a buffer, so that casting the model to bf16 leaves it in fp32.
+        self.cos_sin = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling).contiguous()
         self.half = head_dim // 2
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelArgs
+from engine.kernels import rotary_embedding_, silu_and_mul
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 
 
@@ -21,17 +22,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rope = rope
         self.backend = backend
+        self.fused = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused_rope = self.fused and self.q_norm is None
+        if fused_rope:
+            rotary_embedding_(qkv, positions, self.rope.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        if not fused_rope:
+            q, k = self.rope(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out)
 
@@ -42,9 +49,13 @@ class MLP(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -56,9 +67,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -76,10 +92,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -120,6 +136,13 @@ class LlamaForCausalLM(nn.Module):
             sizes = [self.args.intermediate_size] * 2
         start = sum(sizes[:shard])
         param.data[start:start + sizes[shard]].copy_(tensor)
+
+    def use_cpu_kernels(self) -> None:
+        """Switch norms, RoPE and SiLU-and-mul to the native CPU kernels (engine.kernels)."""
+        for name, module in self.named_modules():
+            # Per-head q/k norms (Qwen3) act on 3-D views and stay in PyTorch.
+            if isinstance(module, (RMSNorm, Attention, MLP)) and not name.endswith(("q_norm", "k_norm")):
+                module.fused = True
 
     def prepack_linears(self) -> int:
         count = 0

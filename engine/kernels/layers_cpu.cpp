@@ -1,0 +1,179 @@
+// Fused elementwise layers for the CPU decode path, where per-op dispatch costs as much as the math:
+// RMSNorm (with the residual add folded in), neox-style RoPE in place, SiLU-and-mul, and the KV-cache write.
+// Arithmetic is fp32; bf16 results are rounded to nearest even once per output.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t w = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(c10::BFloat16* dst, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u += 0x7FFF + ((u >> 16) & 1);
+  dst->x = static_cast<uint16_t>(u >> 16);
+}
+inline float round_like(float, float v) { return v; }
+inline float round_like(c10::BFloat16, float v) {
+  c10::BFloat16 r;
+  store(&r, v);
+  return to_float(r);
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, const char* name, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    default: TORCH_CHECK(false, name, " supports float32 and bfloat16, got ", t.scalar_type());
+  }
+}
+
+// out = w * norm(x); with a residual: residual += x first and the norm reads the sum (stored rounded, as
+// transformers adds in the model dtype). Rows of x and out may be strided; the last dim is contiguous.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+              const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rms_norm takes [rows, hidden] tensors");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  dispatch(x, "rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
+    const T* wp = weight.data_ptr<T>();
+    const int64_t xs = x.stride(0), os = out.stride(0), rs = residual.has_value() ? residual->stride(0) : 0;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * xs;
+        T* src = const_cast<T*>(xr);
+        if (rp) {
+          T* rr = rp + r * rs;
+          for (int64_t i = 0; i < dim; ++i) store(rr + i, to_float(rr[i]) + to_float(xr[i]));
+          src = rr;
+        }
+        float sq = 0.f;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = to_float(src[i]);
+          sq += v * v;
+        }
+        const float inv = 1.f / std::sqrt(sq / dim + static_cast<float>(eps));
+        T* o = op + r * os;
+        for (int64_t i = 0; i < dim; ++i) {
+          store(o + i, to_float(wp[i]) * round_like(T{}, to_float(src[i]) * inv));
+        }
+      }
+    });
+  });
+}
+
+// Rotates the q and k heads of a fused qkv activation [tokens, (hq + 2 * hk) * d] in place.
+void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_embedding takes a [tokens, width] qkv tensor");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin must be fp32 [pos, d]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  const int64_t tokens = qkv.size(0), half = head_dim / 2, heads = num_q_heads + num_kv_heads;
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  dispatch(qkv, "rotary_embedding", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* base = qkv.data_ptr<T>();
+    const int64_t stride = qkv.stride(0);
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = table + pp[t] * head_dim;  // [cos(half) | sin(half)]
+        const float* sin = cos + half;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x = base + t * stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+            store(x + i, x1 * cos[i] - x2 * sin[i]);
+            store(x + i + half, x2 * cos[i] + x1 * sin[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out[t] = silu(gate_up[t, :I]) * gate_up[t, I:]
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous(), "silu_and_mul: 2-D tensors");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  dispatch(gate_up, "silu_and_mul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* in = gate_up.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* g = in + t * 2 * inter;
+        const T* u = g + inter;
+        T* dst = o + t * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gv = to_float(g[i]);
+          store(dst + i, round_like(T{}, gv / (1.f + std::exp(-gv))) * to_float(u[i]));
+        }
+      }
+    });
+  });
+}
+
+// Writes each new token's K and V ([tokens, kv_heads, d], rows may be strided) into
+// [blocks, kv_heads, block, d] caches at the given slots.
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k and v must be [tokens, kv_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slot mapping must be int64");
+  const int64_t tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t block_size = k_cache.size(2), block_stride = num_kv_heads * block_size * head_dim;
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  dispatch(k, "write_kv_cache", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    const int64_t ks = k.stride(0), vs = v.stride(0);
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t dst = block * block_stride + (h * block_size + offset) * head_dim;
+          std::memcpy(kc + dst, kp + t * ks + h * head_dim, head_dim * sizeof(T));
+          std::memcpy(vc + dst, vp + t * vs + h * head_dim, head_dim * sizeof(T));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenline, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_q_heads, int num_kv_heads, "
+        "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("write_kv_cache", c10::DispatchKey::CPU, &write_kv_cache);
+}
