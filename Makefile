@@ -29,8 +29,11 @@ $(MODEL): | $(STAMP)
 
 model: $(MODEL)
 
+# SERVE_SMOKE=0 skips `make serve` from a fresh clone (it runs after pytest: one Ray cluster at a time).
+SERVE_SMOKE ?= 1
 test: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	@if [ "$(SERVE_SMOKE)" = 1 ]; then bash scripts/serve_smoke.sh; fi
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -33,15 +33,28 @@ class LocalServe:
     metrics_url: str  # Ray's Prometheus export of this node
     args: AppArgs
 
-    def engine_replica_stats(self) -> list[ReplicaStats]:
-        """Each engine replica's own stats, asked of every replica actor (a handle call would reach just one)."""
+    def engine_replica_stats(self, timeout_s: float = 10.0) -> list[ReplicaStats]:
+        """Each ready engine replica's own stats, asked of every replica actor (a handle call reaches just one).
+
+        A replica that is still starting, or gone, does not answer in time and is left out.
+        """
         import ray
 
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith(REPLICA_ACTOR_PREFIX)]
-        actors = [ray.get_actor(name, namespace="serve") for name in names]
-        reports = ray.get([actor.record_routing_stats.remote() for actor in actors], timeout=30)
-        return [ReplicaStats(**report) for report in reports]
+        refs = []
+        for name in names:
+            try:
+                refs.append(ray.get_actor(name, namespace="serve").record_routing_stats.remote())
+            except ValueError:  # it went away between the listing and the lookup
+                continue
+        stats = []
+        for ref in refs:
+            try:
+                stats.append(ReplicaStats(**ray.get(ref, timeout=timeout_s)))
+            except Exception as exc:
+                log.info("an engine replica did not report its stats: %r", exc)
+        return stats
 
     def scrape_metrics(self, timeout_s: float = 10.0) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=timeout_s) as response:

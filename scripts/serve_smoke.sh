@@ -4,9 +4,11 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-HTTP_PORT="${SMOKE_HTTP_PORT:-8000}"
-DASHBOARD_PORT="${SMOKE_DASHBOARD_PORT:-8265}"
-METRICS_PORT="${SMOKE_METRICS_PORT:-8080}"
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Free ports by default, so a server already on 8000/8265/8080 does not get in the way.
+HTTP_PORT="${SMOKE_HTTP_PORT:-$(free_port)}"
+DASHBOARD_PORT="${SMOKE_DASHBOARD_PORT:-$(free_port)}"
+METRICS_PORT="${SMOKE_METRICS_PORT:-$(free_port)}"
 BUDGET_S="${SMOKE_BUDGET_S:-1500}"  # a fresh venv installs torch and ray first
 WORK="$(mktemp -d /tmp/tokenline-smoke.XXXXXX)"
 SERVE_PID=""
@@ -53,8 +55,9 @@ content = answer["choices"][0]["message"]["content"]
 assert content.strip(), answer
 print(f"serve-smoke: answered in the chat API: {content!r}")
 PY
-curl -sf -m 10 "http://127.0.0.1:$METRICS_PORT/metrics" | grep -q "ray_" && echo "serve-smoke: metrics served"
-curl -sf -m 10 -o /dev/null "http://127.0.0.1:$DASHBOARD_PORT/" && echo "serve-smoke: dashboard up"
+curl -sf -m 10 "http://127.0.0.1:$METRICS_PORT/metrics" -o "$WORK/metrics.txt"
+grep -q "^ray_" "$WORK/metrics.txt" && echo "serve-smoke: Ray's metrics served on port $METRICS_PORT"
+curl -sf -m 10 -o /dev/null "http://127.0.0.1:$DASHBOARD_PORT/" && echo "serve-smoke: dashboard on port $DASHBOARD_PORT"
 echo "serve-smoke: ready after $((SECONDS - START))s; stopping"
 stop_serve
 echo "serve-smoke: passed"
