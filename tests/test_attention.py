@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention
 from engine.kernels import cpu_kernels_available
 
-H, KVH, D, BS = 6, 2, 32, 4
+H, KVH, BS = 6, 2, 4
 
 
 def dense_reference(q, k, v):
@@ -18,7 +18,7 @@ def dense_reference(q, k, v):
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def run_mixed_step(backend_cls, dtype):
+def run_mixed_step(backend_cls, dtype, D):
     """Two decodes (contexts 9 and 17) and one prefill chunk with 5 cached tokens, in one step."""
     torch.manual_seed(0)
     backend = backend_cls(H, KVH, D, BS)
@@ -52,9 +52,10 @@ def run_mixed_step(backend_cls, dtype):
     return out.float(), expected
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the vectorised kernel where there is one
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("backend_cls", [TorchAttention, pytest.param(CpuAttention, marks=pytest.mark.skipif(
     not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels"))])
-def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dtype, tol):
-    out, expected = run_mixed_step(backend_cls, dtype)
+def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dtype, tol, head_dim):
+    out, expected = run_mixed_step(backend_cls, dtype, head_dim)
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)

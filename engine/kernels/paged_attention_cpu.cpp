@@ -6,6 +6,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +41,22 @@ inline void store_row(const float* src, T* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// In place, fp32, each of `rows` rows of length `len`.
+void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+}
+
 template <typename scalar_t>
 void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, scalar_t* out, int64_t out_stride, int64_t batch, int64_t num_heads,
@@ -66,19 +86,7 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
           scores[g * len + t] = s;
         }
       }
-      // Softmax in fp32 per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, len);
       // Pass 2: the weighted sum of V rows, again one read per row for the group.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
@@ -96,6 +104,85 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
     }
   });
 }
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void prefetch_block(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// The same computation with head_dim = 16 * NV held in registers; the next block is prefetched while
+// the current one is read (blocks of a sequence are scattered through the pool).
+template <typename scalar_t, int NV>
+void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                          const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out, int64_t out_stride,
+                          int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                          int64_t max_blocks, double scale) {
+  constexpr int64_t head_dim = 16 * NV;
+  constexpr int kMaxGroup = 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = num_kv_heads * block_size * head_dim;
+  const int64_t block_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    __m512 qv[kMaxGroup][NV], acc[kMaxGroup][NV];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      scores.resize(group * len);
+      const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+      for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < NV; ++j)
+          qv[g][j] = _mm512_mul_ps(load16(q + b * q_stride + (h * group + g) * head_dim + 16 * j), vscale);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* kb = k_cache + table[t0 / block_size] * block_stride + h * block_size * head_dim;
+        if (t0 + block_size < len)
+          prefetch_block(k_cache + table[t0 / block_size + 1] * block_stride + h * block_size * head_dim,
+                         block_bytes);
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 kr[NV];
+          for (int j = 0; j < NV; ++j) kr[j] = load16(kb + t * head_dim + 16 * j);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
+            for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kr[j], a);
+            scores[g * len + t0 + t] = _mm512_reduce_add_ps(a);
+          }
+        }
+      }
+      softmax_rows(scores.data(), group, len);
+      for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const scalar_t* vb = v_cache + table[t0 / block_size] * block_stride + h * block_size * head_dim;
+        if (t0 + block_size < len)
+          prefetch_block(v_cache + table[t0 / block_size + 1] * block_stride + h * block_size * head_dim,
+                         block_bytes);
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 vr[NV];
+          for (int j = 0; j < NV; ++j) vr[j] = load16(vb + t * head_dim + 16 * j);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * len + t0 + t]);
+            for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vr[j], acc[g][j]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(64) float row[head_dim];
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(row + 16 * j, acc[g][j]);
+        store_row(row, out + b * out_stride + (h * group + g) * head_dim, head_dim);
+      }
+    }
+  });
+}
+#endif
 
 // out [batch, heads * head_dim] (rows may be strided) <- attention of q [batch, heads, head_dim] (heads contiguous).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -118,6 +205,17 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim mismatch between q and the cache");
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
+#ifdef __AVX512F__
+    if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
+      if (num_heads / num_kv_heads <= 16 && (head_dim == 64 || head_dim == 128)) {
+        auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4> : decode_kernel_avx512<scalar_t, 8>;
+        kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+               bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), batch,
+               num_heads, num_kv_heads, block_size, bt.size(1), scale);
+        return;
+      }
+    }
+#endif
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                             v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                             out.data_ptr<scalar_t>(), out.stride(0), batch, num_heads, num_kv_heads, head_dim,
