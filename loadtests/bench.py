@@ -74,8 +74,10 @@ async def discover_model(base_url: str, api_key: str | None) -> str:
 
 def run_point(args: argparse.Namespace, endpoint: EndpointConfig, mode: LoadMode, builder: PromptBuilder,
               inputs: InputConfig) -> tuple[RunSummary, RunResult]:
-    limits = RunLimits(args.num_requests, args.duration, args.grace_period, args.request_timeout)
-    specs = build_specs(builder, inputs, limits.max_requests)
+    specs = build_specs(builder, inputs, args.num_requests)
+    # no count and no duration (a trace replay): every request of the trace window
+    count = args.num_requests if args.num_requests is not None or args.duration is not None else len(specs)
+    limits = RunLimits(count, args.duration, args.grace_period, args.request_timeout)
     warmup = build_warmup(builder, inputs, args.warmup_requests)
     result = asyncio.run(run_load(endpoint, mode, specs, limits, warmup, progress=not args.no_progress))
     summary = summarize(result.records, [SLO.parse(s) for item in args.goodput for s in item.split()], builder.count, result.client_cpu_s)

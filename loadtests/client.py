@@ -64,7 +64,7 @@ class StreamingClient:
                                         "ended (past --duration and --grace-period)")
         except asyncio.TimeoutError:
             record.error = ErrorDetails(0, "TimeoutError", f"no complete response within {self.request_timeout_s:g} s")
-        except (aiohttp.ClientError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             record.error = ErrorDetails(0, type(exc).__name__, str(exc) or repr(exc))
         if record.end_perf_ns is None:
             record.end_perf_ns = time.perf_counter_ns()

@@ -172,8 +172,7 @@ async def run_load(endpoint: EndpointConfig, mode: LoadMode, specs: list[Request
             bar = Progress(progress, len(timed) if limits.duration_s is None else None, mode.label)
             load = _open_loop(client, timed, mode.concurrency, deadline, records, bar, inflight)
         else:
-            total = limits.max_requests if limits.duration_s is None else None
-            bar = Progress(progress, total if total is not None else None, mode.label)
+            bar = Progress(progress, limits.max_requests if limits.duration_s is None else None, mode.label)
             stream = spec_stream(specs, limits.max_requests, cycle=limits.duration_s is not None)
             load = _closed_loop(client, stream, mode.concurrency or 1, "profiling", deadline, records, bar, inflight)
         cpu0, start_ns = time.process_time(), time.time_ns()
