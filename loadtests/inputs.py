@@ -1,6 +1,7 @@
 """Which prompts a run sends: the dataset choice and its settings, turned into RequestSpecs."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -56,3 +57,18 @@ def build_warmup(builder: PromptBuilder, cfg: InputConfig, n: int) -> list[Reque
         return []
     return synthetic_specs(builder, SyntheticConfig(n, cfg.input_mean, cfg.input_std, cfg.output_mean, cfg.output_std,
                                                     cfg.seed + 1), first_index=WARMUP_INDEX_BASE)
+
+
+class PromptCycle:
+    """Requests handed out in order and cycled, renumbered as they go (all Locust users of a process share one)."""
+
+    def __init__(self, specs: list[RequestSpec], builder: PromptBuilder) -> None:
+        if not specs:
+            raise ValueError("no prompts to cycle through")
+        self.specs = specs
+        self.builder = builder
+        self._counter = itertools.count()
+
+    def next(self) -> RequestSpec:
+        n = next(self._counter)
+        return replace(self.specs[n % len(self.specs)], index=n, send_offset_s=None)

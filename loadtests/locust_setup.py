@@ -5,24 +5,22 @@ so building prompts never stalls the gevent loop mid-test.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import gevent
 from locust import events
 
-from loadtests.datasets import (
-    MOONCAKE_BLOCK_SIZE, SyntheticConfig, TraceConfig, load_trace, synthetic_specs, trace_specs,
-)
+from loadtests.datasets import MOONCAKE_BLOCK_SIZE, TraceConfig
 from loadtests.export import record_line
+from loadtests.inputs import InputConfig, PromptCycle, build_specs
 from loadtests.metrics import RecordMetrics
 from loadtests.prompts import PromptBuilder
-from loadtests.records import RequestRecord, RequestSpec
+from loadtests.records import RequestRecord
 from loadtests.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,37 +57,23 @@ def add_options(parser: Any) -> None:
     g.add_argument("--spike-length", type=float, default=10.0, help="spike: seconds")
 
 
-class PromptSource:
-    """Requests for all users of this process, handed out in order and cycled."""
-
-    def __init__(self, specs: list[RequestSpec], builder: PromptBuilder) -> None:
-        self.specs = specs
-        self.builder = builder
-        self._counter = itertools.count()
-
-    def next(self) -> RequestSpec:
-        n = next(self._counter)
-        return replace(self.specs[n % len(self.specs)], index=n, send_offset_s=None)
-
-
-def build_source(options: Any) -> PromptSource:
+def build_source(options: Any) -> PromptCycle:
     builder = PromptBuilder(load_tokenizer(options.tokenizer or None), options.seed)
-    if options.prompt_source == "trace":
-        if not options.trace_file:
-            raise SystemExit("--prompt-source trace needs --trace-file")
-        cfg = TraceConfig(block_size=options.block_size, max_requests=options.trace_requests or None,
-                          max_output_tokens=options.max_output_tokens or None)
-        specs = trace_specs(builder, load_trace(options.trace_file), cfg)
-    else:
-        specs = synthetic_specs(builder, SyntheticConfig(options.prompt_pool, options.isl, options.isl_std,
-                                                         options.osl, options.osl_std, options.seed))
+    if options.prompt_source == "trace" and not options.trace_file:
+        raise SystemExit("--prompt-source trace needs --trace-file")
+    trace = TraceConfig(block_size=options.block_size, max_output_tokens=options.max_output_tokens or None)
+    cfg = InputConfig("trace" if options.prompt_source == "trace" else "synthetic", options.isl, options.isl_std,
+                      options.osl, options.osl_std, trace_path=Path(options.trace_file) if options.trace_file else None,
+                      trace=trace, seed=options.seed)
+    count = (options.trace_requests or None) if options.prompt_source == "trace" else options.prompt_pool
+    specs = build_specs(builder, cfg, count)
     log.info("prompt source: %d %s prompts", len(specs), options.prompt_source)
-    return PromptSource(specs, builder)
+    return PromptCycle(specs, builder)
 
 
 @dataclass
 class LoadTestState:
-    source: PromptSource | None = None
+    source: PromptCycle | None = None
     records: TextIO | None = None
 
     def write(self, record: RequestRecord, metrics: RecordMetrics | None) -> None:

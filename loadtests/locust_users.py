@@ -68,7 +68,10 @@ class _OpenAIUser(HttpUser):
                               catch_response=True, name=self.path) as resp:
             record.ack_perf_ns = time.perf_counter_ns()
             try:
-                if resp.status_code != 200:
+                if resp.status_code == 0:  # no response at all: Locust keeps the exception on the response
+                    err = getattr(resp, "error", None)
+                    record.error = ErrorDetails(0, type(err).__name__ if err else "ConnectionError", str(err))
+                elif resp.status_code != 200:
                     record.error = ErrorDetails(resp.status_code, "HTTPError",
                                                 error_message(resp.status_code, resp.content or b""))
                 else:

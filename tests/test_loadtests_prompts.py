@@ -14,6 +14,7 @@ from loadtests.datasets import (
     SharedPrefixConfig, SyntheticConfig, TraceConfig, TraceRow, load_trace, scaled_input_length,
     shared_prefix_specs, synthetic_specs, trace_specs,
 )
+from loadtests.inputs import PromptCycle
 from loadtests.prompts import PromptBuilder, word_token_ids
 from loadtests.tokenizer import load_tokenizer
 
@@ -116,6 +117,15 @@ def test_shared_prefix_requests_share_their_prefix_exactly(tokenizer, builder):
     assert all(len(t) == 58 for t in tokens) and all(s.input_tokens == 58 for s in specs)
     assert tokens[0][:48] == tokens[2][:48] == tokens[4][:48] != tokens[1][:48]
     assert tokens[0][48:] != tokens[2][48:]
+
+
+def test_locust_prompt_cycle_hands_out_trace_requests_in_order_forever(builder):
+    rows = [TraceRow(t, 16, 2, (t,)) for t in (0, 100, 200)]
+    cycle = PromptCycle(trace_specs(builder, rows, TraceConfig(block_size=16, trace_block_size=16)), builder)
+    handed = [cycle.next() for _ in range(7)]
+    assert [s.index for s in handed] == list(range(7))
+    assert [s.trace_timestamp_ms for s in handed] == [0, 100, 200, 0, 100, 200, 0]
+    assert handed[3].prompt == handed[0].prompt and all(s.send_offset_s is None for s in handed)
 
 
 def test_constant_arrivals_are_evenly_spaced():
