@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shlex
 import sys
 from dataclasses import asdict
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
+    if args.seed is None:
+        args.seed = secrets.randbelow(2**31)
+    log.info("seed %d (--seed %d repeats this run's prompts and arrivals)", args.seed, args.seed)
     modes = load_modes(args)
     default_limits(args, modes)
     endpoint, cli = setup(args, argv)

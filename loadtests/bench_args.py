@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may run past --duration before they are cancelled")
     g.add_argument("--request-timeout", type=float, default=600.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, help="seed of prompts and arrivals (default: a new one each run, printed and "
+                                            "saved, so no run finds its prompts already in the server's prefix "
+                                            "cache; give the same one to repeat a run exactly)")
 
     g = p.add_argument_group("input")
     g.add_argument("--dataset", choices=("synthetic", "shared-prefix", "trace"), default="synthetic")

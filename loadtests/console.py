@@ -11,14 +11,20 @@ TABLE_SINGLES = ("request_throughput", "output_token_throughput", "total_token_t
                  "good_request_count", "overall_usage_prompt_cache_read_pct", "benchmark_duration")
 
 
-def _fmt(value: float | None) -> str:
+def _fmt(value: float | int | None) -> str:
     if value is None:
         return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
     return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:,.2f}"
 
 
+def _name(header: str, unit: str) -> str:
+    return header if header.endswith(unit) else f"{header} ({unit})"
+
+
 def render_run(summary: RunSummary, title: str) -> str:
-    rows = [(f"{r.header} ({r.unit})", [_fmt(r.stat(k)) for k in TABLE_STATS])
+    rows = [(_name(r.header, r.unit), [_fmt(r.stat(k)) for k in TABLE_STATS])
             for tag in TABLE_DISTRIBUTIONS if (r := summary.results.get(tag)) is not None]
     width = max([len(name) for name, _ in rows] + [40])
     lines = [title, f"{'Metric':<{width}}" + "".join(f"{k:>11}" for k in TABLE_STATS)]
@@ -26,7 +32,7 @@ def render_run(summary: RunSummary, title: str) -> str:
     for tag in TABLE_SINGLES:
         r = summary.results.get(tag)
         if r is not None:
-            lines.append(f"{f'{r.header} ({r.unit})':<{width}}{_fmt(r.avg):>11}")
+            lines.append(f"{_name(r.header, r.unit):<{width}}{_fmt(r.avg):>11}")
     cancelled = int(summary.value("cancelled_request_count") or 0)
     lines.append(f"Requests: {summary.request_count} ok, {summary.error_count} failed ({cancelled} cancelled)")
     for error, count in summary.error_summary:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,7 +46,8 @@ def add_options(parser: Any) -> None:
     g.add_argument("--tokenizer", default="", help="HF tokenizer folder or GGUF (default: the default model)")
     g.add_argument("--ignore-eos", action="store_true", default=False, help="send ignore_eos")
     g.add_argument("--records-jsonl", default="", help="write one exact record per request here")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=-1, help="prompt seed (default: a new one each run, so no run finds "
+                                                        "its prompts in the server's prefix cache)")
     g = parser.add_argument_group("tokenline load shapes (only with a shape file in -f)")
     g.add_argument("--shape-duration", type=float, default=60.0, help="seconds until the shape stops the test")
     g.add_argument("--step-users", type=int, default=2, help="step: users added per step")
@@ -58,6 +60,8 @@ def add_options(parser: Any) -> None:
 
 
 def build_source(options: Any) -> PromptCycle:
+    if options.seed < 0:
+        options.seed = secrets.randbelow(2**31)
     builder = PromptBuilder(load_tokenizer(options.tokenizer or None), options.seed)
     if options.prompt_source == "trace" and not options.trace_file:
         raise SystemExit("--prompt-source trace needs --trace-file")
@@ -67,7 +71,7 @@ def build_source(options: Any) -> PromptCycle:
                       trace=trace, seed=options.seed)
     count = (options.trace_requests or None) if options.prompt_source == "trace" else options.prompt_pool
     specs = build_specs(builder, cfg, count)
-    log.info("prompt source: %d %s prompts", len(specs), options.prompt_source)
+    log.info("prompt source: %d %s prompts, seed %d", len(specs), options.prompt_source, options.seed)
     return PromptCycle(specs, builder)
 
 
