@@ -12,6 +12,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# engine.model_fetch's names, restated: importing the engine package loads torch, which a client run never needs
+# (only rebuilding a tokenizer from a GGUF file does, once, below)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
