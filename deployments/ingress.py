@@ -70,6 +70,7 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
+        arrival = time.time()
         self._check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
@@ -79,7 +80,7 @@ class OpenAIIngress:
             if body.echo:
                 prompt_text = self.tokenizer.decode(prompt_ids)
         generation, request_id = await self._start(body, "cmpl", prompt_ids, body.max_tokens, body.logprobs,
-                                                    COMPLETIONS_DEFAULT_MAX_TOKENS)
+                                                    COMPLETIONS_DEFAULT_MAX_TOKENS, arrival)
         echo = prompt_text if body.echo else ""
         want_logprobs = body.logprobs is not None
         if body.stream:
@@ -91,10 +92,11 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest) -> Any:
+        arrival = time.time()
         self._check_request(body)
         prompt_ids = self._chat_prompt(body)
         generation, request_id = await self._start(body, "chatcmpl", prompt_ids, body.requested_max_tokens(),
-                                                    body.requested_logprobs(), None)
+                                                    body.requested_logprobs(), None, arrival)
         if body.stream:
             return _sse(chat_stream(generation, request_id, self.model_name, self.tokens, body.logprobs,
                                     body.include_usage))
@@ -117,9 +119,9 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _start(self, body: SamplingFields, kind: str, prompt_ids: list[int], max_tokens: int | None,
-                     logprobs: int | None, default_max_tokens: int | None) -> tuple[Generation, str]:
+                     logprobs: int | None, default_max_tokens: int | None,
+                     arrival: float) -> tuple[Generation, str]:
         """Validates against the model's limits, sends the request and waits for its first tokens."""
-        arrival = time.time()
         info = await self._model_info()
         n = len(prompt_ids)
         if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in prompt_ids):
