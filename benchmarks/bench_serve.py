@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from deployments.config import AppArgs, EngineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
 log = logging.getLogger("bench_serve")
@@ -186,20 +187,22 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--stream-intervals", default="0", help="comma-separated stream_interval_s values to try")
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the one engine replica (and its threads)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs().max_num_batched_tokens,
+                        help="the engine's token budget per step (prefill chunk size): lower evens out ITL")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from deployments import local
-    from deployments.config import AppArgs, EngineArgs
 
     levels = [int(c) for c in args.concurrency.split(",")]
     vocab = 49152
     prompt_sets = {c: make_prompts(requests_for(c), args.prompt_tokens, vocab, seed=c) for c in levels}
     warmup = make_prompts(2, args.prompt_tokens, vocab, seed=999)
     report = Report(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
-    engine_args = EngineArgs(dtype=args.dtype, num_threads=args.num_cpus)
+    engine_args = EngineArgs(dtype=args.dtype, num_threads=args.num_cpus,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
     if not args.skip_engine:
         config = AppArgs(model=args.model, engine=engine_args, engine_num_cpus=args.num_cpus).engine_config()
         report.levels += asyncio.run(bench_engine(config, prompt_sets, args.output_tokens, warmup))
