@@ -9,6 +9,7 @@ from ray.serve import Application
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+from deployments.router import request_router_config
 
 # Our handlers run on each replica's main event loop rather than a second one on its own thread: each streamed
 # chunk then skips a thread hop, and the engine's step thread fights one fewer thread for the GIL
@@ -32,6 +33,7 @@ def build_app(args: AppArgs) -> Application:
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=args.num_engine_replicas, max_ongoing_requests=args.engine_max_ongoing_requests,
         ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=5,
+        request_router_config=request_router_config(args),
     ).bind(args)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.router_config import RouterArgs, RouterSettings
 from engine.config import EngineConfig
 
 
@@ -49,6 +50,7 @@ class AppArgs(BaseModel):
     stream_interval_s: float = Field(0.0, ge=0, le=1.0)
     stats_interval_s: float = Field(1.0, gt=0)
     engine: EngineArgs = Field(default_factory=EngineArgs)
+    router: RouterArgs = Field(default_factory=RouterArgs)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -70,6 +72,9 @@ class AppArgs(BaseModel):
         overrides = {name: getattr(self, name) for name in ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")
                      if getattr(self, name) is not None}
         return self.engine.model_copy(update=overrides)
+
+    def router_settings(self) -> RouterSettings:
+        return RouterSettings(**self.router.model_dump(), block_size=self.engine_args().block_size)
 
     def engine_config(self) -> EngineConfig:
         args = self.engine_args()

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from deployments.block_digest import replica_digest_bits, with_block_digest
 from deployments.config import AppArgs
 from deployments.context import replica_id
 from deployments.engine_metrics import EngineMetrics
@@ -30,6 +31,7 @@ class EngineReplica:
         self.stream_interval_s = args.stream_interval_s
         self.metrics = EngineMetrics(args.model_name(), self.replica_id, self.engine.engine.max_model_len)
         self._num_active_streams = 0
+        self._digest_bits = replica_digest_bits(args.router, self.engine.engine.runner.num_blocks)
         self._stats_task = asyncio.create_task(self._record_stats_forever(args.stats_interval_s))
         log.info("engine replica %s ready: %s, %d torch threads", self.replica_id, config.model, config.num_threads)
 
@@ -93,9 +95,13 @@ class EngineReplica:
                             num_preemptions=s.num_preemptions, num_finished_requests=s.num_finished_requests,
                             num_active_streams=self._num_active_streams)
 
-    def record_routing_stats(self) -> dict[str, float | str]:
-        """Ray Serve's request-router hook: this replica's load, refreshed every routing-stats period."""
-        return dataclasses.asdict(self._stats())
+    def record_routing_stats(self) -> dict[str, float | str | bytes]:
+        """Ray Serve's request-router hook, every routing-stats period: load, and a digest of the prefix cache."""
+        stats = self._stats()
+        if self._digest_bits:
+            core = self.engine.engine
+            stats = with_block_digest(stats, core.kv.pool, core.config.block_size, self._digest_bits)
+        return dataclasses.asdict(stats)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-autoscaling hook: read by the policy as `ctx.aggregated_metrics`."""

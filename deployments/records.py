@@ -67,3 +67,8 @@ class ReplicaStats:
     num_preemptions: int
     num_finished_requests: int
     num_active_streams: int
+    # Filled in for the request router only (deployments/block_digest.py): the replica's time.time() when read,
+    # and a Bloom filter over the block hashes its prefix cache holds.
+    block_size: int = 0
+    reported_at: float = 0.0
+    cached_block_digest: bytes = b""

@@ -1,0 +1,142 @@
+"""PrefixAwareRouter: Ray Serve's RequestRouter for engine replicas, sending each prompt where its prefix is cached.
+
+Configured through the engine deployment's `request_router_config` (see deployments/app.py). Per request it:
+1. hashes the prompt's full blocks with the engine's own chained hash (the ingress already tokenized it, and the
+   token ids travel in the EngineRequest that is `generate`'s argument);
+2. reads what each replica last reported through `record_routing_stats` (load, KV usage, a Bloom digest of its
+   cached block hashes; Serve's controller polls them every `stats_period_s` and pushes them to this router),
+   the live ongoing-request count Serve keeps per replica, and what this router itself routed there lately;
+3. ranks the replicas (deployments/routing_policy.py) and returns one rank per replica, best first, so Serve
+   falls through to the next when one is full.
+Nothing here awaits: routing reads only state already in this process.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployments.config import AppArgs
+from deployments.records import EngineRequest
+from deployments.routed_memory import RoutedPrefixMemory
+from deployments.router_config import RouterSettings
+from deployments.routing_policy import PromptProbes, ReplicaReport, make_candidate, rank
+from engine.hashing import hash_block_chain
+
+log = logging.getLogger(__name__)
+
+MAX_REQUESTS_IN_FLIGHT = 4096  # a bound on this router's bookkeeping, far above any replica's queue
+
+
+@dataclass
+class InFlight:
+    replica: str
+    probes: PromptProbes
+    future: asyncio.Future
+
+
+class PrefixAwareRouter(RequestRouter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initialize_state()
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Serve calls this with the deployment's `request_router_kwargs` (a RouterSettings as JSON)."""
+        self.settings = RouterSettings.model_validate(kwargs)
+        self.memory = RoutedPrefixMemory(self.settings.routed_memory_s, self.settings.routed_memory_max_blocks)
+        # Requests chosen for and not yet finished, by internal request id: this router's own in-flight count.
+        self._in_flight: OrderedDict[str, InFlight] = OrderedDict()
+        self._rng = random.Random()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        probes = self._prompt_probes(pending_request)
+        now = time.time()
+        in_flight = self._in_flight_by_replica()
+        candidates = [
+            make_candidate(r.replica_id.unique_id, ReplicaReport.from_routing_stats(r.routing_stats),
+                           self._live_load(r, in_flight), probes,
+                           self.memory.longest_prefix(r.replica_id.unique_id, probes.block_hashes, now),
+                           now, self.settings)
+            for r in candidate_replicas]
+        decision = rank(candidates, len(probes.block_hashes), self.settings, self._rng)
+        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if pending_request is not None:
+            # Every replica is ranked on each pass: when all are full, Serve should back off, not spin.
+            pending_request.routing_context.should_backoff = True
+            # Counted and remembered now, not once the replica accepts: a burst routed meanwhile must see it.
+            self.memory.remember(decision.order[0], probes.block_hashes, now)
+            self._track(pending_request, decision.order[0], probes)
+        log.debug("routing %d prompt blocks: %s (guard %s, expected cached blocks %d)", len(probes.block_hashes),
+                  decision.order, decision.guarded, decision.expected_cached_blocks)
+        return [[by_key[key]] for key in decision.order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        routed = self._in_flight.get(pending_request.metadata.internal_request_id)
+        if routed is not None and routed.replica != replica_id.unique_id:  # the first choice was full
+            routed.replica = replica_id.unique_id
+            self.memory.remember(routed.replica, routed.probes.block_hashes, time.time())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.pop(internal_request_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.memory.keep_only(r.replica_id.unique_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.memory.forget(replica_id.unique_id)
+
+    def _prompt_probes(self, pending_request: PendingRequest | None) -> PromptProbes:
+        """The engine can reuse at most (len - 1) // block_size blocks: the last token is always recomputed."""
+        if pending_request is None:
+            return PromptProbes([])
+        routed = self._in_flight.get(pending_request.metadata.internal_request_id)
+        if routed is not None:  # a retry after every replica was full: hashed already
+            return routed.probes
+        request = next((a for a in (*pending_request.args, *pending_request.kwargs.values())
+                        if isinstance(a, EngineRequest)), None)
+        if request is None:  # model_info, stats: no prompt, so load alone decides
+            return PromptProbes([])
+        return PromptProbes(hash_block_chain(request.prompt_token_ids[:-1], self.settings.block_size))
+
+    def _track(self, pending_request: PendingRequest, replica: str, probes: PromptProbes) -> None:
+        key = pending_request.metadata.internal_request_id
+        self._in_flight[key] = InFlight(replica, probes, pending_request.future)
+        self._in_flight.move_to_end(key)
+        while len(self._in_flight) > MAX_REQUESTS_IN_FLIGHT:
+            self._in_flight.popitem(last=False)
+
+    def _in_flight_by_replica(self) -> Counter[str]:
+        # A request cancelled while being routed never completes: its entry goes here instead.
+        for key in [k for k, routed in self._in_flight.items() if routed.future.cancelled()]:
+            del self._in_flight[key]
+        return Counter(routed.replica for routed in self._in_flight.values())
+
+    def _live_load(self, replica: RunningReplica, in_flight: Counter[str]) -> int | None:
+        """Serve's count of the replica's ongoing requests (every router's, refreshed on each send), or this
+        router's own count when that is lower: it includes requests chosen but not sent yet."""
+        serve_count = self.replica_queue_len_cache.get(replica.replica_id)
+        own = in_flight.get(replica.replica_id.unique_id, 0)
+        if serve_count is None:
+            return own or None
+        return max(serve_count, own)
+
+
+def request_router_config(args: AppArgs) -> RequestRouterConfig:
+    """The engine deployment's router: PrefixAwareRouter, or Serve's default with `router.policy: power_of_two`."""
+    settings = args.router_settings()
+    if settings.policy == "power_of_two":
+        return RequestRouterConfig(request_routing_stats_period_s=settings.stats_period_s)
+    return RequestRouterConfig(request_router_class=PrefixAwareRouter, request_router_kwargs=settings.model_dump(),
+                               request_routing_stats_period_s=settings.stats_period_s)

@@ -1,0 +1,122 @@
+"""The routing decision itself, free of Ray: replica reports and live load in, replicas best-first out.
+
+Each candidate scores ``prefix_weight * cached share of the prompt + queue_weight * (1 - load / (max load + 1))
++ kv_weight * (1 - KV usage)`` (llm-d's three scorers; load is ongoing requests, which on this engine is its
+queue: every admitted request competes for the same steps). The load guard comes first: when loads are too
+uneven (SGLang's absolute and relative thresholds) the least-loaded replica wins whatever it caches.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deployments.block_digest import longest_cached_prefix, probe_positions
+from deployments.router_config import RouterSettings
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """The part of a replica's routing stats (a ReplicaStats as a dict) that routing reads."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    block_size: int
+    reported_at: float
+    cached_block_digest: bytes
+
+    @classmethod
+    def from_routing_stats(cls, stats: Mapping[str, Any] | None) -> "ReplicaReport | None":
+        """None for a replica that has not reported yet (Serve hands an empty dict) or reports something else."""
+        if not stats:
+            return None
+        try:
+            return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]),
+                       int(stats.get("block_size", 0)), float(stats.get("reported_at", 0.0)),
+                       bytes(stats.get("cached_block_digest", b"")))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def is_fresh(self, now: float, stale_after_s: float) -> bool:
+        return now - self.reported_at <= stale_after_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica: str
+    load: float  # ongoing requests
+    kv_usage: float
+    cached_blocks: int  # expected leading prompt blocks already cached there
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    order: list[str]  # best first
+    guarded: bool  # the load guard overrode cache affinity
+    expected_cached_blocks: int  # on the first replica
+
+
+class PromptProbes:
+    """A prompt's block hashes and their Bloom probe positions, computed once per filter size."""
+
+    def __init__(self, block_hashes: list[int]) -> None:
+        self.block_hashes = block_hashes
+        self._positions: dict[int, np.ndarray] = {}
+
+    def cached_blocks(self, digest: bytes) -> int:
+        if not digest or not self.block_hashes:
+            return 0
+        num_bits = len(digest) * 8
+        if num_bits not in self._positions:
+            self._positions[num_bits] = probe_positions(self.block_hashes, num_bits)
+        return longest_cached_prefix(digest, self._positions[num_bits])
+
+
+def make_candidate(replica: str, report: ReplicaReport | None, live_load: int | None, probes: PromptProbes,
+                   remembered_blocks: int, now: float, settings: RouterSettings) -> Candidate:
+    """A stale or missing report says nothing about the cache or KV usage; load then comes from Serve alone."""
+    fresh = report is not None and report.is_fresh(now, settings.stale_after_s)
+    reported_blocks = 0
+    if fresh and report.block_size == settings.block_size:
+        reported_blocks = probes.cached_blocks(report.cached_block_digest)
+    if live_load is not None:
+        load = float(live_load)
+    elif fresh:
+        load = float(report.num_running + report.num_waiting)
+    else:
+        load = 0.0
+    return Candidate(replica, load, report.kv_usage if fresh else 0.0, max(reported_blocks, remembered_blocks))
+
+
+def is_imbalanced(loads: list[float], abs_threshold: float, rel_threshold: float) -> bool:
+    if len(loads) < 2:
+        return False
+    high, low = max(loads), min(loads)
+    return high - low > abs_threshold and high > low * rel_threshold
+
+
+def score(candidate: Candidate, num_prompt_blocks: int, max_load: float, settings: RouterSettings) -> float:
+    cached_share = candidate.cached_blocks / num_prompt_blocks if num_prompt_blocks else 0.0
+    return (settings.prefix_weight * cached_share
+            + settings.queue_weight * (1.0 - candidate.load / (max_load + 1.0))
+            + settings.kv_weight * (1.0 - candidate.kv_usage))
+
+
+def rank(candidates: list[Candidate], num_prompt_blocks: int, settings: RouterSettings,
+         rng: random.Random | None = None) -> RoutingDecision:
+    if not candidates:
+        return RoutingDecision([], False, 0)
+    rng = rng or random.Random()
+    jitter = {c.replica: rng.random() for c in candidates}  # exact ties go either way, not always to the first
+    loads = [c.load for c in candidates]
+    if is_imbalanced(loads, settings.balance_abs_threshold, settings.balance_rel_threshold):
+        ordered = sorted(candidates, key=lambda c: (c.load, -c.cached_blocks, jitter[c.replica]))
+        return RoutingDecision([c.replica for c in ordered], True, ordered[0].cached_blocks)
+    max_load = max(loads)
+    ordered = sorted(candidates, key=lambda c: (-score(c, num_prompt_blocks, max_load, settings), c.load,
+                                                jitter[c.replica]))
+    return RoutingDecision([c.replica for c in ordered], False, ordered[0].cached_blocks)

@@ -1,0 +1,172 @@
+"""Prefix-aware routing without Ray: replica reports as the engine replicas send them, in; replicas best-first, out."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import numpy as np
+import pytest
+
+from deployments.block_digest import (build_digest, cached_block_hashes, digest_num_bits, longest_cached_prefix,
+                                      probe_positions, with_block_digest)
+from deployments.records import ReplicaStats
+from deployments.routed_memory import RoutedPrefixMemory
+from deployments.router_config import RouterSettings
+from deployments.routing_policy import PromptProbes, ReplicaReport, is_imbalanced, make_candidate, rank
+from engine.block_pool import BlockPool
+from engine.hashing import hash_block_chain
+
+BLOCK = 16
+NUM_BITS = digest_num_bits(384, 10, 1 << 20)
+SETTINGS = RouterSettings(block_size=BLOCK)
+
+
+def prompt(seed: int, num_tokens: int = 40 * BLOCK) -> list[int]:
+    return random.Random(seed).choices(range(49152), k=num_tokens)
+
+
+def routing_stats(cached_token_lists: list[list[int]], num_running: int = 0, kv_usage: float = 0.2,
+                  age_s: float = 0.0) -> dict:
+    """What record_routing_stats returns for a replica whose cache holds the full blocks of these token lists."""
+    hashes = [h for tokens in cached_token_lists for h in hash_block_chain(tokens, BLOCK)]
+    stats = ReplicaStats(replica_id="r", num_running=num_running, num_waiting=0, kv_usage=kv_usage,
+                         num_kv_blocks=384, num_free_kv_blocks=300, num_used_kv_blocks=84, prefix_cache_queries=0,
+                         prefix_cache_hits=0, num_preemptions=0, num_finished_requests=0, num_active_streams=0,
+                         block_size=BLOCK, reported_at=time.time() - age_s,
+                         cached_block_digest=build_digest(hashes, NUM_BITS))
+    return dataclasses.asdict(stats)
+
+
+def decide(tokens: list[int], stats_by_replica: dict[str, dict], live_load: dict[str, int | None],
+           settings: RouterSettings = SETTINGS, memory: RoutedPrefixMemory | None = None):
+    probes = PromptProbes(hash_block_chain(tokens[:-1], BLOCK))
+    now = time.time()
+    candidates = [make_candidate(name, ReplicaReport.from_routing_stats(stats), live_load.get(name), probes,
+                                 memory.longest_prefix(name, probes.block_hashes, now) if memory else 0, now, settings)
+                  for name, stats in stats_by_replica.items()]
+    return rank(candidates, len(probes.block_hashes), settings, random.Random(0))
+
+
+def test_longest_cached_prefix_wins_at_equal_load():
+    request = prompt(1)
+    stats = {"short": routing_stats([request[:8 * BLOCK]]),
+             "long": routing_stats([request[:30 * BLOCK]]),
+             "other": routing_stats([prompt(2)]),
+             "empty": routing_stats([])}
+    for _ in range(5):
+        decision = decide(request, stats, {name: 3 for name in stats})
+        assert decision.order[:2] == ["long", "short"]
+        assert decision.expected_cached_blocks == 30
+        assert not decision.guarded
+
+
+def test_cache_affinity_outweighs_a_small_load_difference_but_not_a_larger_one():
+    request = prompt(3)
+    stats = {"holder": routing_stats([request[:36 * BLOCK]]), "idle": routing_stats([])}
+    assert decide(request, stats, {"holder": 4, "idle": 2}).order[0] == "holder"
+    # A prompt barely cached is not worth a queue.
+    stats = {"holder": routing_stats([request[:4 * BLOCK]]), "idle": routing_stats([])}
+    assert decide(request, stats, {"holder": 4, "idle": 2}).order[0] == "idle"
+
+
+@pytest.mark.parametrize("holder_load, idle_load, guarded", [
+    (10, 2, False),  # difference 8: not above the absolute threshold
+    (11, 2, True),
+    (30, 20, False),  # difference 10, but 30 is not above 1.5 * 20
+    (31, 20, True),
+])
+def test_load_guard_overrides_affinity_past_both_thresholds(holder_load, idle_load, guarded):
+    request = prompt(4)
+    stats = {"holder": routing_stats([request]), "idle": routing_stats([])}
+    decision = decide(request, stats, {"holder": holder_load, "idle": idle_load})
+    assert decision.guarded is guarded
+    assert decision.order[0] == ("idle" if guarded else "holder")
+    assert is_imbalanced([holder_load, idle_load], 8, 1.5) is guarded
+
+
+def test_empty_or_stale_report_falls_back_to_load():
+    request = prompt(5)
+    # A replica that has not reported yet: Serve hands the router an empty dict.
+    assert decide(request, {"a": {}, "b": {}}, {"a": 3, "b": 1}).order == ["b", "a"]
+    assert decide(request, {"a": {}, "b": {}}, {"a": 1, "b": 3}).order == ["a", "b"]
+    # A stale report claiming the whole prompt counts for nothing; nor does its KV usage.
+    stale = routing_stats([request], kv_usage=0.0, age_s=SETTINGS.stale_after_s + 5)
+    fresh_empty = routing_stats([], kv_usage=0.0)
+    decision = decide(request, {"stale": stale, "fresh": fresh_empty}, {"stale": 3, "fresh": 1})
+    assert decision.order == ["fresh", "stale"] and decision.expected_cached_blocks == 0
+    # The same report, fresh, wins at that load.
+    fresh = routing_stats([request], kv_usage=0.0)
+    assert decide(request, {"holder": fresh, "fresh": fresh_empty}, {"holder": 3, "fresh": 1}).order[0] == "holder"
+
+
+def test_reported_load_stands_in_when_serve_has_no_live_count():
+    request = prompt(6)
+    stats = {"busy": routing_stats([], num_running=5), "quiet": routing_stats([], num_running=1)}
+    assert decide(request, stats, {"busy": None, "quiet": None}).order[0] == "quiet"
+
+
+def test_a_burst_with_one_new_prefix_follows_the_first_request():
+    shared = prompt(7, 32 * BLOCK)
+    memory = RoutedPrefixMemory(ttl_s=5.0, max_blocks=1000)
+    stats = {"a": routing_stats([]), "b": routing_stats([])}
+    first = decide(shared + prompt(8, 4 * BLOCK), stats, {"a": 0, "b": 0}, memory=memory).order[0]
+    memory.remember(first, hash_block_chain(shared, BLOCK), time.time())
+    for seed in range(9, 15):
+        # Its own request now loads the first replica by one; the remembered prefix outweighs that.
+        load = {"a": 1, "b": 0} if first == "a" else {"a": 0, "b": 1}
+        assert decide(shared + prompt(seed, 4 * BLOCK), stats, load, memory=memory).order[0] == first
+
+
+def test_routed_memory_expires_and_stays_bounded():
+    memory = RoutedPrefixMemory(ttl_s=2.0, max_blocks=10)
+    hashes = hash_block_chain(prompt(20, 8 * BLOCK), BLOCK)
+    memory.remember("a", hashes, now=100.0)
+    assert memory.longest_prefix("a", hashes, now=101.0) == 8
+    assert memory.longest_prefix("a", hashes, now=102.5) == 0
+    memory.remember("a", hash_block_chain(prompt(21, 30 * BLOCK), BLOCK), now=200.0)
+    assert memory.num_blocks("a") == 10
+    memory.keep_only(["b"])
+    assert memory.num_blocks("a") == 0
+
+
+def test_digest_finds_every_cached_prefix_and_stops_at_the_first_gap():
+    pool = BlockPool(4096)
+    chains = [hash_block_chain(prompt(seed, 64 * BLOCK), BLOCK) for seed in range(40)]
+    for i, chain in enumerate(chains[:30]):
+        for j, block_hash in enumerate(chain):
+            pool.cached[block_hash] = i * 64 + j
+    num_bits = digest_num_bits(4096, 10, 1 << 20)
+    digest = build_digest(cached_block_hashes(pool), num_bits)
+    assert len(digest) * 8 == num_bits == 65536
+    assert all(longest_cached_prefix(digest, probe_positions(c, num_bits)) == 64 for c in chains[:30])
+    # A block missing in the middle (evicted) ends the prefix there.
+    gap = chains[0][:10] + chains[35][10:20] + chains[0][20:]
+    assert longest_cached_prefix(digest, probe_positions(gap, num_bits)) == 10
+    misses = [longest_cached_prefix(digest, probe_positions(c, num_bits)) for c in chains[30:]]
+    assert sum(misses) <= 1  # about 0.7% of uncached first blocks pass the filter
+
+
+def test_digest_size_is_fixed_by_the_pool_and_capped():
+    assert digest_num_bits(100_000, 10, 1 << 20) == 1 << 20  # 128 KiB at 100k blocks
+    assert digest_num_bits(100_000, 10, 64 << 10) == 64 << 13  # the cap wins
+    rng = np.random.default_rng(0)
+    sizes = {len(build_digest(rng.integers(0, 2**63, size=n, dtype=np.uint64), NUM_BITS)) for n in (0, 10, 3000)}
+    assert sizes == {NUM_BITS // 8}
+
+
+def test_replica_report_round_trips_through_replica_stats():
+    pool = BlockPool(64)
+    tokens = prompt(30, 6 * BLOCK)
+    for i, block_hash in enumerate(hash_block_chain(tokens, BLOCK)):
+        pool.cached[block_hash] = i
+    base = ReplicaStats(replica_id="r", num_running=2, num_waiting=1, kv_usage=0.5, num_kv_blocks=64,
+                        num_free_kv_blocks=32, num_used_kv_blocks=32, prefix_cache_queries=0, prefix_cache_hits=0,
+                        num_preemptions=0, num_finished_requests=0, num_active_streams=2)
+    stats = dataclasses.asdict(with_block_digest(base, pool, BLOCK, digest_num_bits(64, 10, 1 << 20)))
+    assert ReplicaStats(**stats).num_running == 2  # the test fixture's reading of the same dict still works
+    report = ReplicaReport.from_routing_stats(stats)
+    assert report is not None and report.is_fresh(time.time(), 5.0)
+    assert PromptProbes(hash_block_chain(tokens, BLOCK)).cached_blocks(report.cached_block_digest) == 6
+    assert ReplicaReport.from_routing_stats({}) is None
+    assert ReplicaReport.from_routing_stats({"something": "else"}) is None
