@@ -10,7 +10,7 @@ HTTP_PORT ?= 8000
 DASHBOARD_PORT ?= 8265
 METRICS_PORT ?= 8080
 
-.PHONY: install model test test-fast bench-engine serve bench-serve serve-smoke clean
+.PHONY: install model test test-fast bench-engine serve bench-serve bench-router serve-smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,11 @@ serve: install model
 
 bench-serve: install model
 	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
+
+# Prefix-aware router against Serve's default one (2 engine replicas, shared-prefix and Mooncake replay).
+bench-router: install model
+	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m benchmarks.bench_router --model $(MODEL) --out results/bench_router.json \
+		$(BENCH_ARGS)
 
 # `make serve` from a fresh clone of this checkout, answered by one chat request, then stopped.
 serve-smoke:
