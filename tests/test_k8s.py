@@ -30,7 +30,7 @@ HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8
 # Resources and replica counts of the engine come from `args` alone; an override under `deployments:` would be a
 # second source the worker groups could silently disagree with.
 ENGINE_OPTIONS_FROM_ARGS = {"num_replicas", "autoscaling_config", "ray_actor_options", "placement_group_bundles",
-                            "placement_group_strategy", "max_replicas_per_node"}
+                            "placement_group_strategy", "max_replicas_per_node", "request_router_config"}
 
 
 def kustomize() -> list[str] | None:
@@ -175,8 +175,10 @@ class EngineShape:
     num_cpus: float
     min_replicas: int
     max_replicas: int
+    router: str  # the request router's import path
 
 
+@cache
 def engine_shape(variant: str) -> EngineShape:
     from ray.serve._private.build_app import build_app as build_graph  # what `serve deploy` builds from args
 
@@ -189,7 +191,8 @@ def engine_shape(variant: str) -> EngineShape:
     autoscaling = engine._deployment_config.autoscaling_config
     low, high = ((autoscaling.min_replicas, autoscaling.max_replicas) if autoscaling
                  else (engine.num_replicas, engine.num_replicas))
-    return EngineShape(options.get("num_gpus") or 0, options.get("num_cpus") or 0, low, high)
+    router = engine._deployment_config.request_router_config.request_router_class
+    return EngineShape(options.get("num_gpus") or 0, options.get("num_cpus") or 0, low, high, router)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -220,6 +223,11 @@ def test_engine_worker_group_holds_exactly_the_engine_replicas_serve_asks_for(va
     assert group["minReplicas"] * replicas_per_pod <= engine.min_replicas, "minReplicas keeps idle pods"
     assert group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"]
     assert rayservice(variant)["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_requests_go_through_the_prefix_aware_router(variant):
+    assert engine_shape(variant).router == "deployments.router.PrefixAwareRouter"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
