@@ -71,3 +71,39 @@ locust: install model
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
+
+# Two Ray nodes on this machine, a head and a worker started with `ray start` (one CPU each, labelled
+# tokenline.io/node=head|worker), then `serve deploy $(SERVE_CONFIG)` to them: one engine replica per node.
+# `make multinode-stop` ends this cluster alone (`ray stop` would end every Ray on the machine).
+.PHONY: multinode multinode-stop
+MULTINODE_DIR ?= /tmp/tokenline-2node
+MULTINODE_GCS_PORT ?= 6390
+MULTINODE_DASHBOARD_PORT ?= 8275
+MULTINODE_ENV = RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$(MULTINODE_DIR)/auth_token RAY_USAGE_STATS_ENABLED=0
+# Worker ports picked at random (0): two raylets on one machine must not share a range.
+MULTINODE_NODE = $(BIN)/ray start --block --num-cpus 1 --num-gpus 0 --temp-dir $(MULTINODE_DIR) \
+	--min-worker-port 0 --max-worker-port 0
+multinode: install model
+	@mkdir -p $(MULTINODE_DIR) && rm -f $(MULTINODE_DIR)/ray_current_cluster
+	@test -s $(MULTINODE_DIR)/auth_token || (umask 077 && $(BIN)/python -c \
+		'import secrets; print(secrets.token_hex(32), end="")' > $(MULTINODE_DIR)/auth_token)
+	$(MULTINODE_ENV) setsid $(MULTINODE_NODE) --head --port $(MULTINODE_GCS_PORT) --dashboard-host 127.0.0.1 \
+		--dashboard-port $(MULTINODE_DASHBOARD_PORT) --ray-client-server-port 10011 --metrics-export-port 8081 \
+		--dashboard-agent-listen-port 52375 --labels tokenline.io/node=head \
+		> $(MULTINODE_DIR)/head.log 2>&1 & echo $$! > $(MULTINODE_DIR)/head.pid
+	@for i in $$(seq 60); do test -s $(MULTINODE_DIR)/ray_current_cluster && exit 0; \
+		kill -0 $$(cat $(MULTINODE_DIR)/head.pid) 2>/dev/null || break; sleep 1; done; \
+		echo "the head did not start: see $(MULTINODE_DIR)/head.log" >&2; exit 1
+	$(MULTINODE_ENV) setsid $(MULTINODE_NODE) --address "$$(cat $(MULTINODE_DIR)/ray_current_cluster)" \
+		--metrics-export-port 8082 --dashboard-agent-listen-port 52376 --labels tokenline.io/node=worker \
+		> $(MULTINODE_DIR)/worker.log 2>&1 & echo $$! > $(MULTINODE_DIR)/worker.pid
+	$(MULTINODE_ENV) $(BIN)/serve deploy $(SERVE_CONFIG) --address http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT)
+	@echo "dashboard: http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT) (token: $(MULTINODE_DIR)/auth_token);" \
+		"CLIs need: export $(MULTINODE_ENV)"
+
+multinode-stop:
+	-$(MULTINODE_ENV) $(BIN)/serve shutdown --yes --address http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT)
+	@for node in worker head; do \
+		pid=$$(cat $(MULTINODE_DIR)/$$node.pid 2>/dev/null) || continue; kill -TERM $$pid 2>/dev/null; \
+		for i in $$(seq 60); do kill -0 $$pid 2>/dev/null || break; sleep 1; done; rm -f $(MULTINODE_DIR)/$$node.pid; \
+	done
