@@ -95,7 +95,8 @@ class TwoNodeCluster:
         metrics, agent_http, agent_grpc, runtime_env = self._node_ports[len(self.nodes)]
         log = self.root / f"ray-start-{name}.log"
         cmd = [str(BIN / "ray"), "start", "--block", *role_args, "--temp-dir", str(self.root),
-               "--num-cpus", "1", "--num-gpus", "0", "--labels", f"{NODE_LABEL}={name}", "--object-store-memory", str(100 << 20),
+               "--num-cpus", "1", "--num-gpus", "0", "--labels", f"{NODE_LABEL}={name}",
+               "--object-store-memory", str(100 << 20),
                "--metrics-export-port", str(metrics), "--dashboard-agent-listen-port", str(agent_http),
                "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(runtime_env),
                "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats"]
