@@ -33,7 +33,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """ModelArgs and fp32/bf16 tensors named as transformers names them."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist (run `make model` for the default model)")
     if is_gguf(path):
@@ -121,7 +121,7 @@ def load_tokenizer(path: str | Path) -> Any:
     """The model's tokenizer with its chat template: from the HF folder, or rebuilt from GGUF metadata."""
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if is_gguf(path):
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -129,7 +129,7 @@ def load_tokenizer(path: str | Path) -> Any:
 
 def read_generation_eos(path: str | Path) -> tuple[int, ...]:
     """Extra stop ids from generation_config.json (chat models often end turns with another token)."""
-    gen = Path(path) / "generation_config.json"
+    gen = Path(path).expanduser() / "generation_config.json"
     if is_gguf(path) or not gen.exists():
         return ()
     eos = json.loads(gen.read_text()).get("eos_token_id")
