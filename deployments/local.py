@@ -71,7 +71,8 @@ class LocalServe:
 
 
 def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metrics_port: int | None = None,
-          metrics_report_interval_ms: int = 1000, ready_timeout_s: float = 300.0) -> LocalServe:
+          metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0) -> LocalServe:
+    """Ray and the app on loopback. Metrics keep Ray's report period unless told (tests shorten it)."""
     import ray
     from ray import serve
 
@@ -79,9 +80,10 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metric
 
     http_port = http_port or free_port()
     metrics_port = metrics_port or free_port()
+    system_config = {"metrics_report_interval_ms": metrics_report_interval_ms} if metrics_report_interval_ms else {}
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              _metrics_export_port=metrics_port, log_to_driver=False, configure_logging=False,
-             _system_config={"metrics_report_interval_ms": metrics_report_interval_ms})
+             _system_config=system_config)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         app = build_app(args)

@@ -35,7 +35,7 @@ def serve_app(smollm2_path: Path):
     # A KV pool smaller than the model's context, so the engine's own capacity check is reachable too.
     args = AppArgs(model=str(smollm2_path), num_engine_replicas=2, engine_num_cpus=1, num_kv_blocks=384,
                    ingress_max_replicas=1)
-    app = local.start(args, num_cpus=2)
+    app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000)
     try:
         yield app
     finally:
