@@ -36,7 +36,7 @@ setsid make serve HTTP_PORT="$HTTP_PORT" DASHBOARD_PORT="$DASHBOARD_PORT" METRIC
   >"$WORK/serve.log" 2>&1 &
 SERVE_PID=$!
 
-REQUEST='{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}'
+REQUEST='{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}'
 START=$SECONDS
 until curl -sf -m 60 "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" -H 'Content-Type: application/json' \
     -d "$REQUEST" -o "$WORK/answer.json"; do
