@@ -33,7 +33,8 @@ def _load() -> bool:
         here = Path(__file__).parent
         load(name="tokenline_cpu_kernels", sources=[str(here / "paged_attention_cpu.cpp"),
                                                     str(here / "layers_cpu.cpp")], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], verbose=False)
         return all(hasattr(torch.ops.tokenline, op) for op in
                    ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
