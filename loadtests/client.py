@@ -8,7 +8,7 @@ import uuid
 
 import aiohttp
 
-from loadtests.openai_api import EndpointConfig, error_message, parse_full_response, parse_sse_line
+from loadtests.openai_api import EndpointConfig, StreamRecorder, error_message, parse_full_response
 from loadtests.records import ErrorDetails, RequestRecord, RequestSpec
 
 
@@ -72,33 +72,14 @@ class StreamingClient:
 
     @staticmethod
     async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
-        parts: list[str] = []
-        completed = False
+        recorder = StreamRecorder(record)
         try:
             async for line in resp.content:
-                event = parse_sse_line(line)
-                if event is None:
-                    continue
-                now = time.perf_counter_ns()
-                if event.done:
-                    completed = True
+                if recorder.feed(line):
                     break
-                if event.error is not None:
-                    record.error = ErrorDetails(500, "StreamError", event.error)
-                    break
-                if event.content:
-                    record.chunk_perf_ns.append(now)
-                    record.chunk_chars.append(len(event.content))
-                    parts.append(event.content)
-                if event.finish_reason:
-                    record.finish_reason = event.finish_reason
-                if event.usage is not None:
-                    record.usage = event.usage
         finally:
             record.end_perf_ns = time.perf_counter_ns()
-            record.output_text = "".join(parts)
-        if not completed and record.error is None and record.finish_reason is None:
-            record.error = ErrorDetails(0, "IncompleteStream", "the stream ended without a finish reason or [DONE]")
+            recorder.close()
 
     @staticmethod
     async def _read_full(resp: aiohttp.ClientResponse, record: RequestRecord) -> None:

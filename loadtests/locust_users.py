@@ -17,7 +17,7 @@ from locust import HttpUser, constant, events, task
 
 from loadtests.locust_setup import STATE
 from loadtests.metrics import output_token_count, record_metrics
-from loadtests.openai_api import ENDPOINT_PATHS, Endpoint, EndpointConfig, error_message, parse_sse_line
+from loadtests.openai_api import ENDPOINT_PATHS, Endpoint, EndpointConfig, StreamRecorder, error_message
 from loadtests.records import ErrorDetails, RequestRecord, RequestSpec
 
 
@@ -89,31 +89,13 @@ class _OpenAIUser(HttpUser):
 
     @staticmethod
     def _read(resp: Any, record: RequestRecord) -> int:
-        parts: list[str] = []
-        received, completed = 0, False
+        recorder = StreamRecorder(record)
+        received = 0
         for line in resp.iter_lines(chunk_size=None):  # whole HTTP chunks as they arrive: exact chunk times
             received += len(line)
-            event = parse_sse_line(line)
-            if event is None:
-                continue
-            now = time.perf_counter_ns()
-            if event.done:
-                completed = True
+            if recorder.feed(line):
                 break
-            if event.error is not None:
-                record.error = ErrorDetails(500, "StreamError", event.error)
-                break
-            if event.content:
-                record.chunk_perf_ns.append(now)
-                record.chunk_chars.append(len(event.content))
-                parts.append(event.content)
-            if event.finish_reason:
-                record.finish_reason = event.finish_reason
-            if event.usage is not None:
-                record.usage = event.usage
-        record.output_text = "".join(parts)
-        if not completed and record.error is None and record.finish_reason is None:
-            record.error = ErrorDetails(0, "IncompleteStream", "the stream ended without a finish reason or [DONE]")
+        recorder.close()
         return received
 
 

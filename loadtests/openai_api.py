@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loadtests.records import Usage
+from loadtests.records import ErrorDetails, RequestRecord, Usage
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINT_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -116,3 +117,43 @@ def error_message(status: int, body: bytes) -> str:
         return f"HTTP {status}: {msg}"
     except (ValueError, AttributeError):
         return f"HTTP {status}: {body[:300].decode(errors='replace')}"
+
+
+class StreamRecorder:
+    """Feeds one streamed response's SSE lines into its RequestRecord: chunk times, text, finish reason, usage.
+
+    Shared by the async runner and the Locust users, which differ only in how they read lines.
+    """
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.parts: list[str] = []
+        self.completed = False
+
+    def feed(self, line: bytes | str) -> bool:
+        """Takes one line; True once the stream is over ([DONE] or an error event)."""
+        event = parse_sse_line(line)
+        if event is None:
+            return False
+        now = time.perf_counter_ns()
+        if event.done:
+            self.completed = True
+            return True
+        if event.error is not None:
+            self.record.error = ErrorDetails(500, "StreamError", event.error)
+            return True
+        if event.content:
+            self.record.chunk_perf_ns.append(now)
+            self.record.chunk_chars.append(len(event.content))
+            self.parts.append(event.content)
+        if event.finish_reason:
+            self.record.finish_reason = event.finish_reason
+        if event.usage is not None:
+            self.record.usage = event.usage
+        return False
+
+    def close(self) -> None:
+        record = self.record
+        record.output_text = "".join(self.parts)
+        if not self.completed and record.error is None and record.finish_reason is None:
+            record.error = ErrorDetails(0, "IncompleteStream", "the stream ended without a finish reason or [DONE]")
