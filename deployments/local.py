@@ -60,6 +60,21 @@ class LocalServe:
         with urllib.request.urlopen(self.metrics_url, timeout=timeout_s) as response:
             return response.read().decode()
 
+    def redeploy(self, args: AppArgs, ready_timeout_s: float = 300.0) -> None:
+        """Deploys `args` over the running app (same name and route) and waits until it answers.
+
+        Serve updates in place: a change to a deployment's options alone (autoscaling, replica counts) keeps
+        its replicas; a change to its init arguments replaces them one by one.
+        """
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        self.args = args
+        self.model = args.model_name()
+        wait_ready(self.base_url, ready_timeout_s)
+
     def stop(self) -> None:
         import ray
         from ray import serve

@@ -9,6 +9,11 @@ import pytest
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `disruptive` (they kill, scale or redeploy the session's app) run last, in file order."""
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
 def default_model_path() -> Path:
     from engine.model_fetch import default_model_path as cached
     return Path(os.environ.get("TOKENLINE_MODEL") or cached())
