@@ -13,15 +13,18 @@ from engine.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-          408: "timeout_error", 413: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers  # e.g. Retry-After on 429/503, WWW-Authenticate on 401
         self.body = ErrorResponse(error=ErrorDetail(message=message, type=type or _TYPES.get(status, "error"),
                                                     param=param, code=code))
 
@@ -30,7 +33,7 @@ class OpenAIError(Exception):
         return cls(400, str(exc), exc.param)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status)
+        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -59,7 +62,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+        return OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
