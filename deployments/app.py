@@ -34,7 +34,7 @@ def build_app(args: AppArgs) -> Application:
         num_replicas=args.num_engine_replicas, max_ongoing_requests=args.engine_max_ongoing_requests,
         ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=5,
         request_router_config=request_router_config(args),
-    ).bind(args)
+    ).bind(args.engine_replica_args())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,
                             "initial_replicas": args.ingress_min_replicas,

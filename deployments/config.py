@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.auth import SecurityArgs
 from deployments.router_config import RouterArgs, RouterSettings
 from engine.config import EngineConfig
 
@@ -51,6 +52,7 @@ class AppArgs(BaseModel):
     stats_interval_s: float = Field(1.0, gt=0)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    security: SecurityArgs = Field(default_factory=SecurityArgs)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -72,6 +74,11 @@ class AppArgs(BaseModel):
         overrides = {name: getattr(self, name) for name in ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")
                      if getattr(self, name) is not None}
         return self.engine.model_copy(update=overrides)
+
+    def engine_replica_args(self) -> "AppArgs":
+        """What an engine replica is built from: without the ingress-only sections, so changing keys or limits
+        redeploys the ingress alone (Serve replaces a deployment's replicas when its init arguments change)."""
+        return self.model_copy(update={"security": SecurityArgs()})
 
     def router_settings(self) -> RouterSettings:
         return RouterSettings(**self.router.model_dump(), block_size=self.engine_args().block_size)

@@ -9,11 +9,13 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import auth
+from deployments.auth import require_api_key
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
@@ -53,6 +55,7 @@ class OpenAIIngress:
         self.tokens = TokenText(self.tokenizer)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
+        auth.configure(args.security)
         log.info("ingress ready for model %r (%s)", self.model_name, self.model_path)
 
     @app.get("/health")
@@ -63,12 +66,12 @@ class OpenAIIngress:
             raise OpenAIError(503, f"no engine replica answers: {type(exc).__name__}") from exc
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(self) -> ModelList:
         info = await self._model_info()
         return ModelList(data=[ModelCard(id=self.model_name, root=self.model_path, max_model_len=info.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(self, body: CompletionRequest) -> Any:
         arrival = time.time()
         self._check_request(body)
@@ -90,7 +93,7 @@ class OpenAIIngress:
                                              want_logprobs)
         return JSONResponse(response.model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat(self, body: ChatCompletionRequest) -> Any:
         arrival = time.time()
         self._check_request(body)
