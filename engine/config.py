@@ -114,7 +114,8 @@ class EngineConfig:
     prepack_weights: bool = True
     num_threads: int | None = None
     seed: int = 0
-    step_history: int = 512
+    step_history: int = 512  # recent SchedulerStats kept (metrics read them; the step trace shows them)
+    record_request_events: bool = True  # each request's lifecycle events (RequestTimings.events)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

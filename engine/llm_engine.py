@@ -12,7 +12,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineOutput, EngineStats, SchedulerStats
-from engine.request import Request, RequestStatus
+from engine.request import EventKind, Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -70,7 +70,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_ids,
-                          arrival_time)
+                          arrival_time, record_events=self.config.record_request_events)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -99,10 +99,12 @@ class LLMEngine:
             request = s.request
             if s.num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
                 decode_tokens += 1
+                request.timings.num_decode_steps += 1
             else:
                 prefill_tokens += s.num_new_tokens
                 prefill_reqs += 1
                 request.timings.prefill_chunks.append((now, s.num_new_tokens))
+                request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
             request.num_computed_tokens += s.num_new_tokens
             if request.request_id not in sampled:
                 continue
@@ -112,6 +114,7 @@ class LLMEngine:
                 request.output_logprobs.append(logprobs)
             if request.timings.first_token is None:
                 request.timings.first_token = now
+                request.timings.record(EventKind.FIRST_TOKEN)
                 self._prompt_tokens += request.num_prompt_tokens
             request.timings.last_token = now
             status = request.check_stop(self.max_model_len)

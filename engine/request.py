@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -30,9 +31,31 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
+class EventKind(enum.IntEnum):
+    """What happened to a request inside the engine; a decode step is counted, never recorded as an event."""
+
+    ENQUEUED = 0
+    SCHEDULED = 1  # first scheduled
+    PREFILL_CHUNK = 2  # value: prompt (or recomputed) tokens computed in that step
+    FIRST_TOKEN = 3
+    PREEMPTED = 4
+    RESUMED = 5  # scheduled again after a preemption
+    FINISHED = 6  # value: the RequestStatus it finished with
+
+
+class RequestEvent(NamedTuple):
+    time: float  # time.monotonic() of the engine's process: durations only, never compared across processes
+    kind: EventKind
+    value: int = 0
+
+
+# A request preempted over and over must not grow without bound: past this, only FINISHED is kept (and counted).
+MAX_REQUEST_EVENTS = 64
+
+
 @dataclass
 class RequestTimings:
-    """Wall-clock timestamps (time.time()) and a monotonic twin for durations within this process."""
+    """Wall-clock timestamps (time.time()) and a monotonic twin, the event list, for durations within this process."""
 
     arrival: float
     queued: float | None = None
@@ -43,6 +66,18 @@ class RequestTimings:
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
     preemptions: list[float] = field(default_factory=list)
     resumptions: list[float] = field(default_factory=list)
+    events: list[RequestEvent] | None = None  # None: events are off for this engine
+    num_decode_steps: int = 0
+    num_dropped_events: int = 0
+
+    def record(self, kind: EventKind, value: int = 0) -> None:
+        events = self.events
+        if events is None:
+            return
+        if len(events) < MAX_REQUEST_EVENTS - 1 or kind == EventKind.FINISHED:
+            events.append(RequestEvent(time.monotonic(), kind, value))
+        else:
+            self.num_dropped_events += 1
 
 
 @dataclass
@@ -55,7 +90,7 @@ class TokenLogprobs:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  block_size: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 extra_keys: tuple | None = None) -> None:
+                 extra_keys: tuple | None = None, record_events: bool = True) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -73,7 +108,8 @@ class Request:
         self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, extra_keys)
         self.stop_ids = set(sampling_params.stop_token_ids)
         self.eos_token_ids = set(eos_token_ids)
-        self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time())
+        self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time(),
+                                      events=[] if record_events else None)
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

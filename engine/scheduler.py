@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import EventKind, Request, RequestStatus
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.timings.queued = time.time()
+        request.timings.record(EventKind.ENQUEUED)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -91,8 +92,10 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             if request.status == RequestStatus.PREEMPTED:
                 request.timings.resumptions.append(now)
+                request.timings.record(EventKind.RESUMED)
             elif request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
+                request.timings.record(EventKind.SCHEDULED)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -105,6 +108,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.timings.preemptions.append(now)
+        request.timings.record(EventKind.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -116,4 +120,5 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.timings.finished = time.time()
+        request.timings.record(EventKind.FINISHED, int(status))
         self.kv.free(request)
