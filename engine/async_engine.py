@@ -7,13 +7,15 @@ while the consumer is busy are merged into one, so a slow consumer receives fewe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -36,14 +38,26 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """A function to run on the step thread between two steps (the profiler must start and stop there)."""
+
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future
+
+
 class EngineDeadError(RuntimeError):
     pass
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at `max_num_waiting`: the caller should try again later (or elsewhere)."""
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.engine = engine or LLMEngine(config)
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -59,6 +73,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted and not running yet: in the scheduler's queue or still in the inbox."""
+        return max(0, len(self._streams) - len(self.engine.scheduler.running))
+
+    def has_room(self, num_requests: int = 1) -> bool:
+        limit = self.engine.config.max_num_waiting
+        return limit is None or self.num_waiting + num_requests <= limit
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        arrival_time: float | None = None) -> AsyncIterator[EngineOutput]:
         """Streams outputs until the request finishes; closing the iterator aborts the request."""
@@ -66,6 +89,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine step loop has stopped: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
+        if not self.has_room():
+            raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting "
+                                        f"(max_num_waiting={self.engine.config.max_num_waiting})")
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -95,7 +121,15 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
-    def _send(self, message: _Add | _Abort | None) -> None:
+    async def run_on_step_thread(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """Runs `fn` on the step thread between two steps and returns its result."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine step loop has stopped: {self.error!r}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+
+    def _send(self, message: _Add | _Abort | _Call | None) -> None:
         self._inbox.put(message)
         self._wake.set()
 
@@ -133,6 +167,12 @@ class AsyncEngine:
                 return
             if isinstance(message, _Abort):
                 self.engine.abort(message.request_id)
+                continue
+            if isinstance(message, _Call):
+                try:
+                    message.done.set_result(message.fn())
+                except Exception as exc:  # handed to the caller, never fatal to the loop
+                    message.done.set_exception(exc)
                 continue
             with self._lock:
                 alive = message.request_id in self._streams

@@ -107,6 +107,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Requests accepted but not yet running; past it AsyncEngine refuses new ones (None: no bound).
+    max_num_waiting: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -123,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two; got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
         resolve_dtype(self.dtype)
 
     @property

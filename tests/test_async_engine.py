@@ -100,3 +100,34 @@ def test_event_loop_stays_responsive_while_the_engine_steps(async_engine):
 
     gaps = asyncio.run(main())
     assert len(gaps) > 5 and sorted(gaps)[len(gaps) // 2] < 0.1
+
+
+def test_full_waiting_queue_refuses_new_requests_and_admits_again_once_it_drains(tmp_path):
+    from engine import EngineOverloadedError
+
+    write_tiny_model(tmp_path, "llama")
+    engine = AsyncEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=256, max_num_seqs=1,
+                                      max_num_waiting=2))
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        first = [asyncio.create_task(collect(engine, [7] * 12, params))]
+        deadline = time.monotonic() + 30
+        while engine.stats().num_running == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        first += [asyncio.create_task(collect(engine, [7] * 12, params)) for _ in range(2)]  # they wait
+        await asyncio.sleep(0)  # each task reaches the engine's inbox
+        assert engine.num_waiting == 2 and not engine.has_room()
+        with pytest.raises(EngineOverloadedError, match="max_num_waiting=2"):
+            await collect(engine, [7] * 12, params)
+        done = await asyncio.wait_for(asyncio.gather(*first), timeout=60)
+        assert engine.has_room(2)
+        tokens, _ = await collect(engine, [7] * 12, params)  # room again once the queue drained
+        assert engine.stats().num_waiting == 0 and engine.is_healthy
+        return done, tokens
+
+    try:
+        done, tokens = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [len(t) for t, _ in done] == [200, 200, 200] and len(tokens) == 200
