@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import SchedulerStats
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -19,6 +20,21 @@ class EngineRequest:
 
 
 @dataclass
+class EngineTimeline:
+    """One choice's life on its engine replica, in that replica's monotonic clock, as offsets from the moment
+    `generate` was called there. The ingress joins it with its own clock by durations only."""
+
+    replica_id: str
+    events: list[tuple[float, int, int]]  # (offset_s, engine.request.EventKind, value), in order
+    first_chunk_s: float  # the replica handed its first chunk of this choice to Serve
+    end_s: float  # ... and its final one
+    num_decode_steps: int
+    num_preemptions: int
+    num_cached_tokens: int
+    num_dropped_events: int = 0
+
+
+@dataclass
 class GenerationChunk:
     """New tokens of one choice since its previous chunk."""
 
@@ -30,6 +46,7 @@ class GenerationChunk:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    timeline: EngineTimeline | None = None  # on a choice's final chunk, when timelines are on
 
 
 @dataclass
@@ -72,3 +89,24 @@ class ReplicaStats:
     block_size: int = 0
     reported_at: float = 0.0
     cached_block_digest: bytes = b""
+
+
+@dataclass
+class ReplicaSteps:
+    """An engine replica's recent engine steps, for the step trace (times are that replica's time.time())."""
+
+    replica_id: str
+    pid: int
+    node_id: str
+    now: float  # the replica's time.time() when it answered
+    steps: list[SchedulerStats]
+
+
+@dataclass
+class ProfileResult:
+    """What one engine replica's profiler did: started, or stopped and wrote its trace to `path`."""
+
+    replica_id: str
+    running: bool
+    changed: bool  # False: it was already in that state
+    path: str | None = None
