@@ -5,6 +5,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
@@ -32,7 +33,9 @@ def build_app(args: AppArgs) -> Application:
         actor_options["num_gpus"] = args.engine_num_gpus
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=args.num_engine_replicas, max_ongoing_requests=args.engine_max_ongoing_requests,
-        ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=5,
+        ray_actor_options=actor_options, health_check_period_s=5,
+        graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
+        max_queued_requests=args.limits.engine_max_queued_requests,
         request_router_config=request_router_config(args),
     ).bind(args.engine_replica_args())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
@@ -40,6 +43,10 @@ def build_app(args: AppArgs) -> Application:
                             "initial_replicas": args.ingress_min_replicas,
                             "target_ongoing_requests": args.ingress_target_ongoing_requests},
         max_ongoing_requests=args.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.ingress_num_cpus}, graceful_shutdown_timeout_s=5,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+        graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
+        # Past it the proxy answers 503 itself (plain text, with Retry-After); below it the ingress refuses first.
+        max_queued_requests=args.limits.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(retry_after_s=args.limits.retry_after_s),
     )
     return ingress.bind(engine, args)

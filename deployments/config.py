@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.auth import SecurityArgs
+from deployments.limits import LimitsArgs
 from deployments.router_config import RouterArgs, RouterSettings
 from engine.config import EngineConfig
 
@@ -23,6 +24,8 @@ class EngineArgs(BaseModel):
     kv_cache_memory_bytes: int = 1 << 30
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_num_waiting: int | None = Field(256, ge=0, description="requests queued in the engine, not running yet; "
+                                                               "past it new ones get 503 (None: no bound)")
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -53,6 +56,7 @@ class AppArgs(BaseModel):
     engine: EngineArgs = Field(default_factory=EngineArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
     security: SecurityArgs = Field(default_factory=SecurityArgs)
+    limits: LimitsArgs = Field(default_factory=LimitsArgs)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -78,7 +82,7 @@ class AppArgs(BaseModel):
     def engine_replica_args(self) -> "AppArgs":
         """What an engine replica is built from: without the ingress-only sections, so changing keys or limits
         redeploys the ingress alone (Serve replaces a deployment's replicas when its init arguments change)."""
-        return self.model_copy(update={"security": SecurityArgs()})
+        return self.model_copy(update={"security": SecurityArgs(), "limits": LimitsArgs()})
 
     def router_settings(self) -> RouterSettings:
         return RouterSettings(**self.router.model_dump(), block_size=self.engine_args().block_size)

@@ -42,6 +42,11 @@ class EngineReplica:
         except InvalidRequestError as exc:
             yield RequestRejected(str(exc), exc.param)
             return
+        if not self.engine.has_room(request.n):
+            limit = self.engine.engine.config.max_num_waiting
+            yield RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
+                                  f"engine.max_num_waiting); retry shortly", retry_after_s=1.0)
+            return
         self.metrics.record_arrival(request.n, request.sampling.max_tokens)
         self._num_active_streams += 1
         try:

@@ -6,13 +6,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
+
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError
+from deployments.limits import overloaded
 from deployments.records import GenerationChunk, RequestRejected
 from deployments.responses import PromptTokensDetails, Usage
 from engine.request import TokenLogprobs
 
 log = logging.getLogger(__name__)
+
+RETRY_SOON = {"Retry-After": "1"}  # a lost replica: Serve routes the retry to a live one
 
 
 @dataclass
@@ -91,9 +96,14 @@ class Generation:
             return None
         except OpenAIError:
             raise
+        except BackPressureError as exc:  # every engine replica is full and so is the queue before them
+            raise overloaded(f"every engine replica is busy and {exc.message}; retry shortly") from exc
         except Exception as exc:  # the replica failed or went away: the caller's input was fine
-            log.exception("engine stream failed")
-            raise OpenAIError(503, f"the engine replica failed: {type(exc).__name__}") from exc
+            log.warning("engine stream failed: %r", exc)
+            raise OpenAIError(503, f"the engine replica failed: {type(exc).__name__}; retry the request",
+                              headers=RETRY_SOON) from exc
+        if isinstance(message, RequestRejected) and message.retry_after_s is not None:
+            raise overloaded(message.message)
         if isinstance(message, RequestRejected):
             code = "context_length_exceeded" if "context length" in message.message else None
             raise OpenAIError(400, message.message, message.param, code)

@@ -14,13 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import auth
+from deployments import auth, limits
 from deployments.auth import require_api_key
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation
 from deployments.http_metrics import HttpMetricsMiddleware
+from deployments.limits import RequestLimitsMiddleware
 from deployments.openai_format import (TokenText, chat_response, chat_stream, completion_response,
                                        completion_stream)
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 app = FastAPI(title="tokenline", docs_url=None, redoc_url=None)
 install_error_handlers(app)
-app.add_middleware(HttpMetricsMiddleware)
+app.add_middleware(RequestLimitsMiddleware)
+app.add_middleware(HttpMetricsMiddleware)  # added last, so outermost: it counts what the limits refuse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Serve pickles the ingress class where it is declared: whatever it uses must be defined above it.
@@ -56,6 +58,7 @@ class OpenAIIngress:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         auth.configure(args.security)
+        limits.configure(args.limits)
         log.info("ingress ready for model %r (%s)", self.model_name, self.model_path)
 
     @app.get("/health")

@@ -55,6 +55,7 @@ class RequestRejected:
 
     message: str
     param: str | None = None
+    retry_after_s: float | None = None  # set when the replica is full, not the request wrong: 503, try again
 
 
 @dataclass
