@@ -7,6 +7,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from deployments.autoscaling_config import engine_autoscaling_config
 from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
@@ -31,8 +32,11 @@ def build_app(args: AppArgs) -> Application:
                                      "runtime_env": {"env_vars": ENGINE_REPLICA_ENV}}
     if args.engine_num_gpus:
         actor_options["num_gpus"] = args.engine_num_gpus
+    # Autoscaled, `num_engine_replicas` is the count Serve starts with (initial_replicas).
+    autoscaling = engine_autoscaling_config(args.autoscaling, args.num_engine_replicas)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=args.num_engine_replicas, max_ongoing_requests=args.engine_max_ongoing_requests,
+        num_replicas=None if autoscaling else args.num_engine_replicas, autoscaling_config=autoscaling,
+        max_ongoing_requests=args.engine_max_ongoing_requests,
         ray_actor_options=actor_options, health_check_period_s=5,
         graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
         max_queued_requests=args.limits.engine_max_queued_requests,

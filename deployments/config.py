@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.auth import SecurityArgs
+from deployments.autoscaling_config import AutoscalingArgs
 from deployments.limits import LimitsArgs
 from deployments.router_config import RouterArgs, RouterSettings
 from engine.config import EngineConfig
@@ -55,6 +56,7 @@ class AppArgs(BaseModel):
     stats_interval_s: float = Field(1.0, gt=0)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
     security: SecurityArgs = Field(default_factory=SecurityArgs)
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None

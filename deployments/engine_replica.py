@@ -22,6 +22,8 @@ from engine.outputs import SchedulerStats
 
 log = logging.getLogger(__name__)
 
+PREEMPTION_WINDOW_S = 10.0  # record_autoscaling_stats reports preemptions per second over this window
+
 
 class EngineReplica:
     async def __init__(self, args: AppArgs) -> None:
@@ -109,9 +111,13 @@ class EngineReplica:
         return dataclasses.asdict(stats)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's custom-autoscaling hook: read by the policy as `ctx.aggregated_metrics`."""
+        """Ray Serve's custom-autoscaling hook: read by autoscaling.policy as `ctx.aggregated_metrics` (each key
+        averaged over the look-back window, per replica). Numbers only, as Serve requires."""
         s = self.engine.stats()
-        return {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running)}
+        since = time.time() - PREEMPTION_WINDOW_S
+        preempted = sum(step.num_preempted for step in _snapshot(self.engine.engine.step_history) if step.time >= since)
+        return {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
+                "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

@@ -1,0 +1,196 @@
+"""Scale engine replicas on what the engines feel: their waiting queues and KV cache usage.
+
+A replica whose KV cache is full preempts and stalls long before its request count says so, and one with a long
+waiting queue misses its time-to-first-token. So this policy scales up when the waiting requests per replica, the
+KV usage or the preemption rate passes its high mark, and scales down only when waiting and KV usage are both
+under their low marks and would stay under the high marks on one replica fewer. Between the marks it holds.
+
+`queue_kv_decision` is a pure function of `DeploymentSignals`, a `QueueKVConfig` and the state it returned last
+time; `QueueKVPolicy` adapts it to Ray Serve (`AutoscalingConfig(policy={"policy_function":
+"autoscaling.policy:QueueKVPolicy", "policy_kwargs": {...}})`). Serve then applies its own delays, scaling
+factors and min/max bounds to the count returned, as it does for any policy.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autoscaling.signals import DeploymentSignals, replica_signals
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "tokenline_queue_kv"  # this policy's entry in Serve's policy_state
+
+
+@dataclass(frozen=True)
+class QueueKVConfig:
+    """The policy's thresholds. Per-replica values are means over the replicas that reported."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # AppArgs validates this record as its `autoscaling.queue_kv`
+
+    # Waiting requests per replica above which it scales up: a queue this long is TTFT the engine cannot hide.
+    waiting_high: float = 2.0
+    # ... and below which (with KV usage under kv_low) it may scale down.
+    waiting_low: float = 0.5
+    # KV usage above which it scales up: past it, new requests wait for blocks and running ones get preempted.
+    kv_high: float = 0.85
+    # ... and below which (with the queue under waiting_low) it may scale down.
+    kv_low: float = 0.5
+    # Preemptions per second per replica that count as overload whatever the usage (the pool is thrashing).
+    preemptions_high: float = 0.5
+    # Most replicas added in one decision (the step grows with how far past the high mark the load is).
+    max_step_up: int = 2
+    # Most replicas removed in one decision.
+    max_step_down: int = 1
+    # No scale-down for this long after this policy last asked for more: the new replicas must drain the backlog
+    # that made them, and a scale-down right after would bring it back.
+    scale_down_cooldown_s: float = 60.0
+    # Before any replica has reported its engine stats: Serve's rule (ongoing / target) with this target,
+    # and only ever up.
+    fallback_target_ongoing: float = 32.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.waiting_low < self.waiting_high:
+            raise ValueError(f"need 0 <= waiting_low < waiting_high; got {self.waiting_low}, {self.waiting_high}")
+        if not 0 <= self.kv_low < self.kv_high <= 1:
+            raise ValueError(f"need 0 <= kv_low < kv_high <= 1; got {self.kv_low}, {self.kv_high}")
+        if self.preemptions_high <= 0 or self.fallback_target_ongoing <= 0:
+            raise ValueError("preemptions_high and fallback_target_ongoing must be positive")
+        if self.max_step_up < 1 or self.max_step_down < 1:
+            raise ValueError(f"max_step_up and max_step_down must be >= 1; got {self.max_step_up}, "
+                             f"{self.max_step_down}")
+        if self.scale_down_cooldown_s < 0:
+            raise ValueError(f"scale_down_cooldown_s must be >= 0; got {self.scale_down_cooldown_s}")
+
+
+@dataclass(frozen=True)
+class Load:
+    """The deployment's load, per replica, as the policy reads it."""
+
+    waiting: float  # engine queues plus requests queued in Serve's handles, per replica
+    kv_usage: float
+    preemptions_per_s: float
+
+    def pressure(self, config: QueueKVConfig) -> float:
+        """How far past its high mark the most loaded signal is: above 1 means overloaded."""
+        return max(self.waiting / config.waiting_high, self.kv_usage / config.kv_high,
+                   self.preemptions_per_s / config.preemptions_high)
+
+
+@dataclass(frozen=True)
+class Decision:
+    num_replicas: int
+    reason: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def measured_load(signals: DeploymentSignals) -> Load | None:
+    """Means over the replicas that reported; None when none has. Requests Serve queues in its handles (ongoing
+    beyond what the engines hold) count as waiting, but only when every replica reported, so an unreported
+    replica's requests are not mistaken for a queue."""
+    reported = signals.reported
+    if not reported:
+        return None
+    waiting = sum(r.num_waiting for r in reported)
+    if signals.all_reported:
+        waiting += max(0.0, signals.total_ongoing - sum(r.num_waiting + r.num_running for r in reported))
+    n = len(reported)
+    return Load(waiting=waiting / n, kv_usage=sum(r.kv_usage for r in reported) / n,
+                preemptions_per_s=sum(r.preemptions_per_s for r in reported) / n)
+
+
+def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: dict[str, Any]) -> Decision:
+    """The replica count this policy wants, within [min_replicas, max_replicas], and its new state."""
+    state = dict(state)
+    n, target = signals.current_replicas, signals.target_replicas
+    low, high = signals.min_replicas, signals.max_replicas
+
+    def decide(num: int, reason: str) -> Decision:
+        return Decision(min(max(num, low), high), reason, state)
+
+    if n == 0:
+        return decide(target, "no running replica")
+    load = measured_load(signals)
+    if load is None:
+        wanted = math.ceil(signals.total_ongoing / config.fallback_target_ongoing)
+        if wanted > target:
+            state["last_scale_up_at"] = signals.now
+            return decide(wanted, f"no engine stats yet; {signals.total_ongoing:.0f} ongoing requests")
+        return decide(target, "no engine stats yet")
+
+    pressure = load.pressure(config)
+    if pressure > 1:
+        # Replicas still starting will take their share: size the step on the count Serve is already moving to.
+        base = max(n, target)
+        excess = pressure * n / base - 1
+        if excess <= 0:
+            return decide(target, f"overloaded, replicas starting ({_describe(load)})")
+        state["last_scale_up_at"] = signals.now
+        step = min(max(math.ceil(base * excess), 1), config.max_step_up)
+        return decide(base + step, f"overloaded ({_describe(load)})")
+
+    if target > n:
+        return decide(target, "replicas starting")
+    if load.waiting > config.waiting_low or load.kv_usage > config.kv_low:
+        return decide(target, f"within marks ({_describe(load)})")
+    if n <= low:
+        return decide(target, "under the low marks, at min_replicas")
+    if not signals.all_reported:
+        return decide(target, "under the low marks, but not every replica has reported")
+    last_up = state.get("last_scale_up_at")
+    if last_up is not None and signals.now - last_up < config.scale_down_cooldown_s:
+        return decide(target, "under the low marks, cooling down after a scale-up")
+    # The load of the replicas removed moves to the others: remove only as many as keep them under the high marks.
+    fewer = n
+    while fewer > max(low, 1) and n - fewer < config.max_step_down:
+        spread = n / (fewer - 1)
+        if (load.waiting * spread >= config.waiting_high or load.kv_usage * spread >= config.kv_high
+                or load.preemptions_per_s * spread >= config.preemptions_high):
+            break
+        fewer -= 1
+    if fewer == n:
+        return decide(target, f"under the low marks, but {n - 1} replicas would be past the high marks")
+    return decide(min(fewer, target), f"under the low marks ({_describe(load)})")
+
+
+def _describe(load: Load) -> str:
+    return (f"waiting/replica {load.waiting:.2f}, KV {load.kv_usage:.0%}, "
+            f"preemptions/s/replica {load.preemptions_per_s:.2f}")
+
+
+def signals_from_context(ctx: Any) -> DeploymentSignals:
+    """DeploymentSignals from Ray Serve's AutoscalingContext (read by attribute; nothing of Ray is imported)."""
+    metrics = ctx.aggregated_metrics or {}
+    replicas = []
+    for replica_id in ctx.running_replicas:
+        values = {name: by_replica[replica_id] for name, by_replica in metrics.items() if replica_id in by_replica}
+        replicas.append(replica_signals(values))
+    now = ctx.current_time if ctx.current_time is not None else time.time()
+    return DeploymentSignals(current_replicas=ctx.current_num_replicas, target_replicas=ctx.target_num_replicas,
+                             min_replicas=ctx.capacity_adjusted_min_replicas,
+                             max_replicas=ctx.capacity_adjusted_max_replicas,
+                             total_ongoing=float(ctx.total_num_requests or 0.0), replicas=tuple(replicas), now=now)
+
+
+class QueueKVPolicy:
+    """Ray Serve's custom autoscaling policy hook: Serve builds it once with `policy_kwargs` (the QueueKVConfig
+    fields) and calls it every control-loop tick with an AutoscalingContext; it returns (replicas, policy_state).
+    Its own state lives in `policy_state`, so a rebuilt policy carries on where the last one stopped."""
+
+    def __init__(self, **policy_kwargs: Any) -> None:
+        self.config = QueueKVConfig(**policy_kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        signals = signals_from_context(ctx)
+        previous = dict(ctx.policy_state.get(STATE_KEY) or {})
+        decision = queue_kv_decision(signals, self.config, previous)
+        if decision.num_replicas != signals.target_replicas:
+            log.info("%s: %d -> %d replicas: %s", ctx.deployment_name, signals.target_replicas,
+                     decision.num_replicas, decision.reason)
+        return decision.num_replicas, {STATE_KEY: decision.state}
+
+    def __repr__(self) -> str:
+        return f"QueueKVPolicy({asdict(self.config)})"
