@@ -41,7 +41,7 @@ def build_app(args: AppArgs) -> Application:
         graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
         max_queued_requests=args.limits.engine_max_queued_requests,
         request_router_config=request_router_config(args),
-    ).bind(args.engine_replica_args())
+    ).bind(args)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,
                             "initial_replicas": args.ingress_min_replicas,

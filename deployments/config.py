@@ -81,11 +81,6 @@ class AppArgs(BaseModel):
                      if getattr(self, name) is not None}
         return self.engine.model_copy(update=overrides)
 
-    def engine_replica_args(self) -> "AppArgs":
-        """What an engine replica is built from: without the ingress-only sections, so changing keys or limits
-        redeploys the ingress alone (Serve replaces a deployment's replicas when its init arguments change)."""
-        return self.model_copy(update={"security": SecurityArgs(), "limits": LimitsArgs()})
-
     def router_settings(self) -> RouterSettings:
         return RouterSettings(**self.router.model_dump(), block_size=self.engine_args().block_size)
 
