@@ -2,7 +2,9 @@
 
 Keys come from the environment (`TOKENLINE_API_KEYS`, comma-separated; `TOKENLINE_ADMIN_KEY`) or from files
 named in `AppArgs.security` (one key a line, `#` comments), never from the args themselves: the args are shown
-by Serve's dashboard and logs. A file is read again when it changes, so keys rotate without a redeploy.
+by Serve's dashboard and logs. A file is read again when it changes, so keys rotate without a redeploy (write
+a new file and rename it over the old one); a file with no keys adds none, a file that cannot be read refuses
+every key until it can. Neither keys nor prompts and outputs are ever logged.
 Only SHA-256 digests of the keys are kept, and a presented key is compared with every one in constant time.
 
 The rule for admin endpoints:
@@ -32,7 +34,7 @@ ADMIN_KEY_ENV = "TOKENLINE_ADMIN_KEY"
 
 
 class SecurityArgs(BaseModel):
-    """Where keys come from (never the keys themselves) and what the server may log."""
+    """Where keys come from, never the keys themselves."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -40,7 +42,6 @@ class SecurityArgs(BaseModel):
     api_keys_file: str | None = Field(None, description="file with one API key a line; read again when it changes")
     admin_key_env: str = Field(ADMIN_KEY_ENV, description="env var with the admin key")
     admin_key_file: str | None = Field(None, description="file holding the admin key")
-    log_requests: bool = Field(False, description="log prompts and outputs (off: they may hold private data)")
 
 
 def _digest(key: str) -> bytes:

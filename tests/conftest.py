@@ -28,7 +28,7 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def serve_app(smollm2_path: Path):
+def serve_app(smollm2_path: Path, tmp_path_factory):
     """The real app on a local Ray (2 engine replicas, SmolLM2 in bf16), started on first use, stopped at the end.
 
     Yields a LocalServe: `.base_url` (http://127.0.0.1:PORT), `.model` (the served name), `.metrics_url`,
@@ -37,9 +37,14 @@ def serve_app(smollm2_path: Path):
     from deployments import local
     from deployments.config import AppArgs
 
+    # Key files the ingress reads on each request, empty (no keys): API-key tests write them, then empty them.
+    keys = tmp_path_factory.mktemp("keys")
+    security = {"api_keys_file": str(keys / "api_keys"), "admin_key_file": str(keys / "admin_key")}
+    for path in security.values():
+        Path(path).write_text("")
     # A KV pool smaller than the model's context, so the engine's own capacity check is reachable too.
     args = AppArgs(model=str(smollm2_path), num_engine_replicas=2, engine_num_cpus=1, num_kv_blocks=384,
-                   ingress_max_replicas=1)
+                   ingress_max_replicas=1, security=security)
     app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000)
     try:
         yield app
