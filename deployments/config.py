@@ -11,6 +11,7 @@ from deployments.auth import SecurityArgs
 from deployments.autoscaling_config import AutoscalingArgs
 from deployments.limits import LimitsArgs
 from deployments.router_config import RouterArgs, RouterSettings
+from deployments.timeline_config import TimelineArgs
 from engine.config import EngineConfig
 
 
@@ -58,6 +59,9 @@ class AppArgs(BaseModel):
     router: RouterArgs = Field(default_factory=RouterArgs)
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
     security: SecurityArgs = Field(default_factory=SecurityArgs)
+    timeline: TimelineArgs = Field(default_factory=TimelineArgs)
+    profiler_dir: str | None = Field(None, description="engine replicas write torch profiler traces here "
+                                                       "(POST /start_profile, /stop_profile); None: profiling is off")
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None
     num_kv_blocks: int | None = None
@@ -89,5 +93,7 @@ class AppArgs(BaseModel):
         device = "cuda" if self.engine_num_gpus > 0 else "cpu"
         # torch's intra-op pool matches the CPUs Ray reserved for the replica, never the whole machine.
         threads = args.num_threads or max(1, math.ceil(self.engine_num_cpus))
+        # Off, the step ring keeps the engine's default length: the metrics read it either way.
+        trace = {"step_history": self.timeline.step_ring} if self.timeline.enabled else {}
         return EngineConfig(model=self.model_path(), device=device, **args.model_dump(exclude={"num_threads"}),
-                            num_threads=threads)
+                            num_threads=threads, record_request_events=self.timeline.enabled, **trace)

@@ -9,16 +9,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+
+import ray
 
 from deployments.block_digest import replica_digest_bits, with_block_digest
 from deployments.config import AppArgs
 from deployments.context import replica_id
 from deployments.engine_metrics import EngineMetrics
-from deployments.records import EngineRequest, GenerationChunk, ModelInfo, ReplicaStats, RequestRejected
-from engine import AsyncEngine, InvalidRequestError
+from deployments.records import (EngineRequest, EngineTimeline, GenerationChunk, ModelInfo, ProfileResult,
+                                 ReplicaStats, ReplicaSteps, RequestRejected)
+from engine import AsyncEngine, EngineOutput, InvalidRequestError
 from engine.outputs import SchedulerStats
+from engine.profiler import StepProfiler, write_chrome_trace
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +41,14 @@ class EngineReplica:
         self._num_active_streams = 0
         self._digest_bits = replica_digest_bits(args.router, self.engine.engine.runner.num_blocks)
         self._stats_task = asyncio.create_task(self._record_stats_forever(args.stats_interval_s))
+        self.timelines = args.timeline.enabled
+        self.profiler_dir = Path(args.profiler_dir).expanduser() if args.profiler_dir else None
+        self.profiler = StepProfiler(config.device)
         log.info("engine replica %s ready: %s, %d torch threads", self.replica_id, config.model, config.num_threads)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
+        entered = time.monotonic()
         try:
             self.engine.engine.validate(request.prompt_token_ids, request.sampling)
         except InvalidRequestError as exc:
@@ -52,7 +62,7 @@ class EngineReplica:
         self.metrics.record_arrival(request.n, request.sampling.max_tokens)
         self._num_active_streams += 1
         try:
-            choices = [self._choice(request, i) for i in range(request.n)]
+            choices = [self._choice(request, i, entered) for i in range(request.n)]
             batches = _one_by_one(choices[0]) if request.n == 1 else _merged(choices)
             async for batch in batches:
                 yield batch
@@ -61,11 +71,12 @@ class EngineReplica:
         finally:
             self._num_active_streams -= 1
 
-    async def _choice(self, request: EngineRequest, index: int) -> AsyncIterator[GenerationChunk]:
+    async def _choice(self, request: EngineRequest, index: int, entered: float) -> AsyncIterator[GenerationChunk]:
         params = request.sampling
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)  # n seeded samples must differ
         last_token_time: float | None = None
+        first_chunk_s: float | None = None
         async for out in self.engine.generate(request.prompt_token_ids, params, f"{request.request_id}-{index}",
                                               request.arrival_time or None):
             now = time.time()
@@ -78,10 +89,51 @@ class EngineReplica:
             if out.finished:
                 self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
                                              out.num_output_tokens, out.timings)
+            timeline = None
+            if self.timelines:
+                offset = time.monotonic() - entered
+                first_chunk_s = offset if first_chunk_s is None else first_chunk_s
+                if out.finished:
+                    timeline = self._engine_timeline(out, entered, first_chunk_s, offset)
             yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
                                   finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                                   num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
-                                  logprobs=out.logprobs)
+                                  logprobs=out.logprobs, timeline=timeline)
+
+    def _engine_timeline(self, out: EngineOutput, entered: float, first_chunk_s: float,
+                         end_s: float) -> EngineTimeline | None:
+        timings = out.timings
+        if timings is None or timings.events is None:
+            return None
+        return EngineTimeline(replica_id=self.replica_id,
+                              events=[(e.time - entered, int(e.kind), e.value) for e in timings.events],
+                              first_chunk_s=first_chunk_s, end_s=end_s, num_decode_steps=timings.num_decode_steps,
+                              num_preemptions=out.num_preemptions, num_cached_tokens=out.num_cached_tokens,
+                              num_dropped_events=timings.num_dropped_events)
+
+    async def step_trace(self, since: float) -> ReplicaSteps:
+        """The engine steps that started at or after `since` (time.time()), from the bounded step ring."""
+        steps = [s for s in _snapshot(self.engine.engine.step_history) if s.time >= since]
+        return ReplicaSteps(replica_id=self.replica_id, pid=os.getpid(),
+                            node_id=ray.get_runtime_context().get_node_id(), now=time.time(), steps=steps)
+
+    async def start_profile(self) -> ProfileResult:
+        """Starts the torch profiler on the step thread (`profiler_dir` must be set; the ingress checks)."""
+        if self.profiler_dir is None:
+            return ProfileResult(self.replica_id, running=False, changed=False)
+        changed = await self.engine.run_on_step_thread(self.profiler.start)
+        return ProfileResult(self.replica_id, running=True, changed=changed)
+
+    async def stop_profile(self) -> ProfileResult:
+        """Stops the profiler and writes its Chrome trace to `profiler_dir`, one file per replica and profile."""
+        finished = await self.engine.run_on_step_thread(self.profiler.stop)
+        if finished is None or self.profiler_dir is None:
+            return ProfileResult(self.replica_id, running=False, changed=False)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = self.profiler_dir / f"{stamp}-engine-{self.replica_id}.pt.trace.json"
+        await asyncio.to_thread(write_chrome_trace, finished, path)
+        log.info("profile written to %s", path)
+        return ProfileResult(self.replica_id, running=False, changed=True, path=str(path))
 
     async def model_info(self) -> ModelInfo:
         core = self.engine.engine

@@ -13,6 +13,7 @@ from deployments.errors import OpenAIError
 from deployments.limits import overloaded
 from deployments.records import GenerationChunk, RequestRejected
 from deployments.responses import PromptTokensDetails, Usage
+from deployments.timeline import TIMELINE_OFF, RequestTimeline, TimelineOff
 from engine.request import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,11 @@ class Generation:
     """Reads the replica's stream; stops it early once every choice has met a stop string."""
 
     def __init__(self, responses: Any, n: int, num_prompt_tokens: int,
-                 make_detokenizer: Callable[[], IncrementalDetokenizer]) -> None:
+                 make_detokenizer: Callable[[], IncrementalDetokenizer],
+                 timeline: RequestTimeline | TimelineOff = TIMELINE_OFF) -> None:
         self._responses = responses  # a DeploymentResponseGenerator of list[GenerationChunk] | RequestRejected
         self.num_prompt_tokens = num_prompt_tokens
+        self.timeline = timeline
         self.choices = [ChoiceState(make_detokenizer()) for _ in range(n)]
         self._first: list[GenerationChunk] | None = None
 
@@ -107,11 +110,14 @@ class Generation:
         if isinstance(message, RequestRejected):
             code = "context_length_exceeded" if "context length" in message.message else None
             raise OpenAIError(400, message.message, message.param, code)
+        self.timeline.chunk_read()
         return message
 
     def _advance(self, chunk: GenerationChunk) -> ChoiceDelta | None:
         choice = self.choices[chunk.index]
         choice.engine_finished = chunk.finished
+        if chunk.timeline is not None:
+            self.timeline.engine_finished(chunk.timeline)
         if choice.finish_reason is not None:
             return None  # a stop string already ended this choice
         choice.num_cached_tokens = chunk.num_cached_tokens

@@ -9,13 +9,15 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import auth, limits
-from deployments.auth import require_api_key
+from deployments import admin, timeline_recorder
+from deployments.admin import ProfileReply
+from deployments.auth import require_admin_key, require_api_key
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
@@ -23,10 +25,12 @@ from deployments.generation import Generation
 from deployments.http_metrics import HttpMetricsMiddleware
 from deployments.limits import RequestLimitsMiddleware
 from deployments.openai_format import (TokenText, chat_response, chat_stream, completion_response,
-                                       completion_stream)
+                                       completion_stream, json_response)
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from deployments.records import EngineRequest, ModelInfo
 from deployments.responses import ModelCard, ModelList
+from deployments.timeline import TimelineView
+from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
 from engine.sampling_params import InvalidRequestError
 
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="tokenline", docs_url=None, redoc_url=None)
 install_error_handlers(app)
 app.add_middleware(RequestLimitsMiddleware)
+app.add_middleware(TimelineMiddleware)  # a request's timeline starts before the limits act on it
 app.add_middleware(HttpMetricsMiddleware)  # added last, so outermost: it counts what the limits refuse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -59,6 +64,8 @@ class OpenAIIngress:
         self._info_lock = asyncio.Lock()
         auth.configure(args.security)
         limits.configure(args.limits)
+        self.timelines = timeline_recorder.configure(args.timeline, self.model_name)
+        self.profiler_dir = args.profiler_dir
         log.info("ingress ready for model %r (%s)", self.model_name, self.model_path)
 
     @app.get("/health")
@@ -94,7 +101,7 @@ class OpenAIIngress:
                                           body.include_usage))
         response = await completion_response(generation, request_id, self.model_name, echo, self.tokens,
                                              want_logprobs)
-        return JSONResponse(response.model_dump())
+        return json_response(response, generation)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat(self, body: ChatCompletionRequest) -> Any:
@@ -107,7 +114,23 @@ class OpenAIIngress:
             return _sse(chat_stream(generation, request_id, self.model_name, self.tokens, body.logprobs,
                                     body.include_usage))
         response = await chat_response(generation, request_id, self.model_name, self.tokens, body.logprobs)
-        return JSONResponse(response.model_dump())
+        return json_response(response, generation)
+
+    @app.get("/v1/timelines/{request_id}", dependencies=[Depends(require_admin_key)])
+    async def timeline(self, request_id: str) -> TimelineView:
+        return self.timelines.lookup(request_id)
+
+    @app.get("/debug/trace", dependencies=[Depends(require_admin_key)])
+    async def trace(self, seconds: float = Query(10.0)) -> Any:
+        return JSONResponse(await admin.trace(self._engine, self.timelines, seconds))
+
+    @app.post("/start_profile", dependencies=[Depends(require_admin_key)])
+    async def start_profile(self) -> ProfileReply:
+        return await admin.start_profile(self._engine, self.profiler_dir)
+
+    @app.post("/stop_profile", dependencies=[Depends(require_admin_key)])
+    async def stop_profile(self) -> ProfileReply:
+        return await admin.stop_profile(self._engine, self.profiler_dir)
 
     def _check_request(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -128,6 +151,8 @@ class OpenAIIngress:
                      logprobs: int | None, default_max_tokens: int | None,
                      arrival: float) -> tuple[Generation, str]:
         """Validates against the model's limits, sends the request and waits for its first tokens."""
+        timeline = current_timeline()
+        timeline.prompt_ready()
         info = await self._model_info()
         n = len(prompt_ids)
         if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in prompt_ids):
@@ -148,8 +173,10 @@ class OpenAIIngress:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         request = EngineRequest(request_id, prompt_ids, params, body.n, arrival)
         skip_special = body.skip_special_tokens
+        timeline.dispatching(request_id)
         generation = Generation(self._stream.generate.remote(request), body.n, n,
-                                lambda: IncrementalDetokenizer(self.tokenizer, stops, prompt_ids, skip_special))
+                                lambda: IncrementalDetokenizer(self.tokenizer, stops, prompt_ids, skip_special),
+                                timeline)
         try:
             await generation.start()
         except BaseException:

@@ -1,16 +1,21 @@
 """Generation deltas in OpenAI's shapes: whole responses, and SSE streams that end with `data: [DONE]`."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from deployments.errors import OpenAIError
 from deployments.generation import ChoiceDelta, Generation
 from deployments.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionChunk,
                                    CompletionLogprobs, CompletionResponse, DeltaMessage, TokenLogprob, TopLogprob, Usage)
+from deployments.timeline_recorder import inline_view
 from engine.request import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -19,6 +24,15 @@ DONE = "data: [DONE]\n\n"
 
 def sse(model: Any) -> str:
     return f"data: {model.model_dump_json()}\n\n"
+
+
+def json_response(response: BaseModel, generation: Generation) -> JSONResponse:
+    """The whole response; with a `timeline` field when the client asked for it (OpenAI clients ignore it)."""
+    content = response.model_dump()
+    timeline = inline_view(generation.timeline)
+    if timeline is not None:
+        content["timeline"] = timeline
+    return JSONResponse(content)
 
 
 class TokenText:
@@ -102,7 +116,10 @@ async def completion_stream(generation: Generation, request_id: str, model: str,
     def usage() -> str:
         return sse(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=generation.usage()))
 
-    async for text in _sse_events(generation, chunk, "", usage if include_usage else None):
+    def empty() -> BaseModel:
+        return CompletionChunk(id=request_id, created=created, model=model, choices=[])
+
+    async for text in _sse_events(generation, chunk, "", usage if include_usage else None, empty):
         yield text
 
 
@@ -125,15 +142,22 @@ async def chat_stream(generation: Generation, request_id: str, model: str, token
     def usage() -> str:
         return frame([], generation.usage())
 
+    def empty() -> BaseModel:
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[])
+
     opening = "".join(frame([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                       for i in range(len(generation.choices)))
-    async for text in _sse_events(generation, chunk, opening, usage if include_usage else None):
+    async for text in _sse_events(generation, chunk, opening, usage if include_usage else None, empty):
         yield text
 
 
 async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str], opening: str,
-                      usage: Callable[[], str] | None) -> AsyncIterator[str]:
-    """One SSE write per engine message; an error after the first byte becomes an SSE error event, then [DONE]."""
+                      usage: Callable[[], str] | None, empty: Callable[[], BaseModel]) -> AsyncIterator[str]:
+    """One SSE write per engine message; an error after the first byte becomes an SSE error event, then [DONE].
+
+    A client that asked for its timeline gets it in one more chunk before [DONE], with no choices (as the usage
+    chunk has) and a `timeline` field that OpenAI clients keep as an extra attribute.
+    """
     pending = opening
     try:
         async for deltas in generation.deltas():
@@ -144,4 +168,7 @@ async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str
     except OpenAIError as exc:
         log.warning("stream ended by an error: %s", exc)
         pending += sse(exc.body)
+    timeline = inline_view(generation.timeline)
+    if timeline is not None:
+        pending += f"data: {json.dumps({**empty().model_dump(), 'timeline': timeline})}\n\n"
     yield pending + DONE

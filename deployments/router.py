@@ -28,6 +28,7 @@ from deployments.records import EngineRequest
 from deployments.routed_memory import RoutedPrefixMemory
 from deployments.router_config import RouterSettings
 from deployments.routing_policy import PromptProbes, ReplicaReport, make_candidate, rank
+from deployments.timeline import RoutingNote, note_routing
 from engine.hashing import hash_block_chain
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class PrefixAwareRouter(RequestRouter):
             # Counted and remembered now, not once the replica accepts: a burst routed meanwhile must see it.
             self.memory.remember(decision.order[0], probes.block_hashes, now)
             self._track(pending_request, decision.order[0], probes)
+            self._note(pending_request, decision.order[0], decision.expected_cached_blocks)
         log.debug("routing %d prompt blocks: %s (guard %s, expected cached blocks %d)", len(probes.block_hashes),
                   decision.order, decision.guarded, decision.expected_cached_blocks)
         return [[by_key[key]] for key in decision.order]
@@ -85,6 +87,7 @@ class PrefixAwareRouter(RequestRouter):
         if routed is not None and routed.replica != replica_id.unique_id:  # the first choice was full
             routed.replica = replica_id.unique_id
             self.memory.remember(routed.replica, routed.probes.block_hashes, time.time())
+            self._note(pending_request, routed.replica, 0)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.pop(internal_request_id, None)
@@ -104,11 +107,20 @@ class PrefixAwareRouter(RequestRouter):
         routed = self._in_flight.get(pending_request.metadata.internal_request_id)
         if routed is not None:  # a retry after every replica was full: hashed already
             return routed.probes
-        request = next((a for a in (*pending_request.args, *pending_request.kwargs.values())
-                        if isinstance(a, EngineRequest)), None)
+        request = _engine_request(pending_request)
         if request is None:  # model_info, stats: no prompt, so load alone decides
             return PromptProbes([])
         return PromptProbes(hash_block_chain(request.prompt_token_ids[:-1], self.settings.block_size))
+
+    def _note(self, pending_request: PendingRequest, replica: str, expected_cached_blocks: int) -> None:
+        """The decision, for the request's timeline (read by the ingress in this same process).
+
+        Through a function of deployments.timeline, never a module-level object: Serve pickles this module by
+        value, which would give the router its own copy of any object it names."""
+        request = _engine_request(pending_request)
+        if request is not None:
+            expected_tokens = expected_cached_blocks * self.settings.block_size
+            note_routing(request.request_id, RoutingNote(replica, expected_tokens, time.monotonic()))
 
     def _track(self, pending_request: PendingRequest, replica: str, probes: PromptProbes) -> None:
         key = pending_request.metadata.internal_request_id
@@ -131,6 +143,11 @@ class PrefixAwareRouter(RequestRouter):
         if serve_count is None:
             return own or None
         return max(serve_count, own)
+
+
+def _engine_request(pending_request: PendingRequest) -> EngineRequest | None:
+    return next((a for a in (*pending_request.args, *pending_request.kwargs.values())
+                 if isinstance(a, EngineRequest)), None)
 
 
 def request_router_config(args: AppArgs) -> RequestRouterConfig:

@@ -78,6 +78,10 @@ class RoutingNotes:
 ROUTING_NOTES = RoutingNotes()
 
 
+def note_routing(request_id: str, note: RoutingNote) -> None:
+    ROUTING_NOTES.put(request_id, note)
+
+
 class Stage(BaseModel):
     stage: str
     start_s: float  # from arrival at the ingress
@@ -133,11 +137,12 @@ class RequestTimeline:
         self.routing: RoutingNote | None = None
         self._stages: list[Stage] | None = None
 
-    def start(self, request_id: str) -> None:
-        self.request_id = request_id
+    def prompt_ready(self) -> None:
         self.tokenized = time.monotonic()
 
-    def dispatching(self) -> None:
+    def dispatching(self, request_id: str) -> None:
+        """Just before the request is handed to Serve (so the router's note always comes after it)."""
+        self.request_id = request_id
         self.sent = time.monotonic()
 
     def chunk_read(self) -> None:
@@ -170,8 +175,8 @@ class TimelineOff:
     enabled = False
     request_id = None
 
-    def start(self, request_id: str) -> None: ...
-    def dispatching(self) -> None: ...
+    def prompt_ready(self) -> None: ...
+    def dispatching(self, request_id: str) -> None: ...
     def chunk_read(self) -> None: ...
     def engine_finished(self, engine: EngineTimeline) -> None: ...
     def response_ready(self) -> None: ...
