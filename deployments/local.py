@@ -10,6 +10,7 @@ import socket
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from deployments.config import AppArgs
 from deployments.records import ReplicaStats
@@ -32,6 +33,15 @@ class LocalServe:
     model: str  # the served model name clients send
     metrics_url: str  # Ray's Prometheus export of this node
     args: AppArgs
+    dashboard_url: str | None = None  # the Ray dashboard, when started with one
+
+    def dashboard_json(self, path: str, timeout_s: float = 30.0) -> Any:
+        """GET a Ray dashboard API path (e.g. /api/serve/applications/), with this cluster's auth token if any."""
+        if self.dashboard_url is None:
+            raise RuntimeError("this cluster was started without the dashboard (start(..., dashboard_port=...))")
+        request = urllib.request.Request(f"{self.dashboard_url}{path}", headers=_ray_auth_headers())
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
 
     def engine_replica_stats(self, timeout_s: float = 10.0) -> list[ReplicaStats]:
         """Each ready engine replica's own stats, asked of every replica actor (a handle call reaches just one).
@@ -86,8 +96,13 @@ class LocalServe:
 
 
 def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metrics_port: int | None = None,
-          metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0) -> LocalServe:
-    """Ray and the app on loopback. Metrics keep Ray's report period unless told (tests shorten it)."""
+          metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0,
+          dashboard_port: int | None = None) -> LocalServe:
+    """Ray and the app on loopback. Metrics keep Ray's report period unless told (tests shorten it).
+
+    With `dashboard_port`, Ray's dashboard (its Serve view and API included) listens on 127.0.0.1 there; it adds
+    a dozen idle processes (~1 GB resident), so it is off unless asked for.
+    """
     import ray
     from ray import serve
 
@@ -96,21 +111,33 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metric
     http_port = http_port or free_port()
     metrics_port = metrics_port or free_port()
     system_config = {"metrics_report_interval_ms": metrics_report_interval_ms} if metrics_report_interval_ms else {}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _metrics_export_port=metrics_port, log_to_driver=False, configure_logging=False,
-             _system_config=system_config)
+    dashboard = {"include_dashboard": False}
+    if dashboard_port:
+        dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port}
+    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,
+             log_to_driver=False, configure_logging=False, _system_config=system_config, **dashboard)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         app = build_app(args)
         serve.run(app, name=APP_NAME, route_prefix="/")
         local = LocalServe(base_url=f"http://127.0.0.1:{http_port}", model=args.model_name(),
-                           metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", args=args)
+                           metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", args=args,
+                           dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard_port else None)
         wait_ready(local.base_url, ready_timeout_s)
     except BaseException:
         serve.shutdown()
         ray.shutdown()
         raise
     return local
+
+
+def _ray_auth_headers() -> dict[str, str]:
+    """The Authorization header Ray's dashboard wants when the cluster uses token auth (Ray's default now)."""
+    try:
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return {}
+    return get_auth_headers_if_auth_enabled({})
 
 
 def wait_ready(base_url: str, timeout_s: float) -> None:
