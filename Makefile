@@ -72,6 +72,17 @@ locust: install model
 clean:
 	rm -rf $(VENV) results .pytest_cache
 
+# schemathesis against the served /openapi.json with $(FUZZ_CASES) generated cases (make test runs 240).
+.PHONY: fuzz soak
+FUZZ_CASES ?= 1200
+fuzz: install model
+	TOKENLINE_MODEL=$(MODEL) TOKENLINE_FUZZ_CASES=$(FUZZ_CASES) $(BIN)/python -m pytest -q -s tests/test_serve_fuzz.py
+
+# Its own app, 20 minutes at 1.5x the capacity it measures first; errors, latency by minute and RSS by process
+# go to results/soak.json. Not part of make test. SOAK_ARGS="--duration 180" for a short run.
+soak: install model
+	$(BIN)/python -m loadtests.soak --model $(MODEL) --out results/soak.json $(SOAK_ARGS)
+
 # Two Ray nodes on this machine, a head and a worker started with `ray start` (one CPU each, labelled
 # tokenline.io/node=head|worker), then `serve deploy $(SERVE_CONFIG)` to them: one engine replica per node.
 # `make multinode-stop` ends this cluster alone (`ray stop` would end every Ray on the machine).
