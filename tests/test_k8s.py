@@ -306,8 +306,9 @@ def declared_tokenline_metrics() -> set[str]:
 
     from deployments.engine_metrics import EngineMetrics
     from deployments.http_metrics import HttpMetricsMiddleware
+    from deployments.timeline_recorder import StageMetrics
 
-    sources = [EngineMetrics("model", "replica", 4096), HttpMetricsMiddleware(app=None)]
+    sources = [EngineMetrics("model", "replica", 4096), HttpMetricsMiddleware(app=None), StageMetrics("model")]
     exported = set()
     for metric in [m for source in sources for m in vars(source).values() if isinstance(m, metrics.Metric)]:
         name = f"ray_{metric.info['name']}"
@@ -345,7 +346,8 @@ def test_dashboard_panels_are_well_formed_and_query_declared_tokenline_metrics()
                    "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
                    "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket",
                    "generation_tokens_total", "kv_cache_usage_perc", "prefix_cache_hits_total",
-                   "num_requests_waiting", "num_requests_running", "num_preemptions_total"):
+                   "num_requests_waiting", "num_requests_running", "num_preemptions_total",
+                   "request_stage_seconds_bucket", "request_stage_seconds_sum"):
         assert f"ray_tokenline_{needed}" in used, f"the dashboard has no panel on ray_tokenline_{needed}"
     for needed in ("ray_serve_deployment_replica_healthy", "ray_serve_autoscaling_target_replicas"):
         assert needed in used, f"the dashboard has no panel on {needed}"
