@@ -11,6 +11,22 @@ MAX_N = 16
 MAX_STOP_STRINGS = 8
 
 
+def _holds_lone_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, BaseModel):
+        return any(_holds_lone_surrogate(getattr(value, name)) for name in type(value).model_fields)
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -57,6 +73,10 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        for name in type(self).model_fields:
+            if _holds_lone_surrogate(getattr(self, name)):  # JSON allows "\ud800"; no tokenizer can encode it
+                raise InvalidRequestError(f"{name} holds a lone UTF-16 surrogate (like \\ud800), which is not text",
+                                          name)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         params = SamplingParams(

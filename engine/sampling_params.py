@@ -47,6 +47,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # torch generators take 64 bits
+            bad(f"seed must fit in a signed 64-bit integer, got {self.seed}", "seed")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers", "stop_token_ids")
 

@@ -1,6 +1,8 @@
 """Bad input gets its status and an OpenAI-shaped error body, never a 500, and the server keeps serving."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -56,6 +58,15 @@ BAD_BODIES = [
     pytest.param(COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", id="echo-with-logprobs"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix", id="suffix"),
     pytest.param(COMPLETIONS, {}, "prompt", id="missing-prompt"),
+    pytest.param(CHAT, {"messages": HI, "max_tokens": 10**30}, "max_tokens", id="max_tokens-10e30"),
+    pytest.param(CHAT, {"messages": HI, "n": 10**9}, "n", id="n-huge"),
+    pytest.param(CHAT, {"messages": HI, "stop": [f"stop{i}" for i in range(300)]}, "stop", id="300-stops"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs", id="logprobs-negative"),
+    pytest.param(CHAT, {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+                 id="top_logprobs-negative"),
+    pytest.param(CHAT, {"messages": HI, "seed": 2**70}, "seed", id="seed-beyond-64-bits"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 10**12}, "min_tokens",
+                 id="min_tokens-huge"),
 ]
 
 
@@ -111,3 +122,59 @@ def test_server_keeps_serving_after_bad_input(http, serve_app):
     ok = http.post(CHAT, json={"model": serve_app.model, "messages": HI, "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
     assert all(stats.num_running == 0 for stats in serve_app.engine_replica_stats())
+
+
+def test_body_over_the_limit_gets_413(http, serve_app):
+    limit = serve_app.args.limits.max_body_bytes
+    big = b'{"messages": [{"role": "user", "content": "' + b"a" * limit + b'"}]}'
+    error = assert_openai_error(http.post(CHAT, content=big, headers={"content-type": "application/json"}), 413)
+    assert f"{limit:,}" in error["message"]
+
+    def chunked():  # no Content-Length: the limit is counted as the body arrives
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(limit // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+        yield b'"}]}'
+
+    assert_openai_error(http.post(CHAT, content=chunked(), headers={"content-type": "application/json"}), 413)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/xml"])
+def test_body_that_is_not_json_gets_415(http, serve_app, content_type):
+    body = json.dumps({"model": serve_app.model, "messages": HI, "max_tokens": 2})
+    error = assert_openai_error(http.post(CHAT, content=body, headers={"content-type": content_type}), 415)
+    assert content_type in error["message"]
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}',
+                                 b"[" * 100_000 + b"]" * 100_000],
+                         ids=["invalid-utf8", "nested-100k-deep"])
+def test_undecodable_json_gets_400(http, raw):
+    assert_openai_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', "messages"),
+    (COMPLETIONS, b'{"prompt": "a\\udfffb", "max_tokens": 2}', "prompt"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"], "max_tokens": 2}', "stop"),
+], ids=["chat", "completion", "stop"])
+def test_lone_surrogate_gets_400(http, path, raw, param):
+    assert_openai_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400, param)
+
+
+def test_unicode_control_characters_and_unknown_fields_are_served(http, serve_app):
+    text = "\x00\x01\x07\x1b[31m\u202e\ufeff\u200b 日本語 🤖 e\u0301 \U0010ffff"
+    for path, body in ((CHAT, {"messages": [{"role": "user", "content": text}], "stop": ["\x00", "🤖"]}),
+                       (COMPLETIONS, {"prompt": text, "echo": True})):
+        response = http.post(path, json={"model": serve_app.model, **body, "max_tokens": 3, "frobnicate": {"x": [1]},
+                                         "metadata": {"k": "v"}})
+        assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(text)  # echoed back intact
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "0", "inf", "nan"])
+def test_bad_request_timeout_header_gets_400(http, serve_app, value):
+    response = http.post(CHAT, json={"model": serve_app.model, "messages": HI, "max_tokens": 2},
+                         headers={"X-Request-Timeout": value})
+    assert_openai_error(response, 400, "X-Request-Timeout")
