@@ -1,0 +1,145 @@
+"""The autoscaling simulator: deterministic for a seed, and its replica model predicts the real engine's throughput."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoscaling.policy import QueueKVConfig
+from autoscaling.report import SLO, summarize
+from autoscaling.serve_rules import ServeAutoscalingConfig
+from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, simulate
+from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile, StepSample, StepTimeModel
+from autoscaling.workload import RequestSpec, SyntheticWorkload, TraceWorkload
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+PROFILE = ReplicaProfile.load(DEFAULT_PROFILE)
+FAST_SERVE = ServeAutoscalingConfig(min_replicas=1, max_replicas=4, upscale_delay_s=5.0, downscale_delay_s=20.0,
+                                    look_back_period_s=5.0, metrics_interval_s=1.0)
+
+
+def single_replica() -> ClusterConfig:
+    return ClusterConfig(serve=ServeAutoscalingConfig(min_replicas=1, max_replicas=1), initial_replicas=1)
+
+
+def throughput(result) -> float:
+    """Output tokens per second from the first arrival to the last token, as step_profile measures a run."""
+    done = [r for r in result.requests if r.finish_s is not None]
+    return sum(r.output_done for r in done) / max(r.last_token_s for r in done)
+
+
+def surge(seed: int = 0) -> list[RequestSpec]:
+    """Quiet, then a minute at several replicas' worth of load, then quiet again."""
+    quiet = SyntheticWorkload(20, rate=0.3, input_mean=200, input_std=50, output_mean=64, seed=seed).requests()
+    busy = SyntheticWorkload(240, rate=4.0, input_mean=300, input_std=100, output_mean=96, output_std=32,
+                             seed=seed + 1).requests()
+    tail = SyntheticWorkload(30, rate=0.3, input_mean=200, input_std=50, output_mean=64, seed=seed + 2).requests()
+    start_busy = quiet[-1].arrival_s
+    start_tail = start_busy + busy[-1].arrival_s
+    return (quiet + [dataclasses.replace(r, arrival_s=r.arrival_s + start_busy) for r in busy]
+            + [dataclasses.replace(r, arrival_s=r.arrival_s + start_tail) for r in tail])
+
+
+def test_same_seed_same_result_to_the_last_token():
+    cluster = ClusterConfig(serve=FAST_SERVE, seed=7)
+    runs = [simulate(surge(), PROFILE, QueueKVSimPolicy(), cluster) for _ in range(2)]
+    assert [(r.first_token_s, r.finish_s, r.preemptions) for r in runs[0].requests] == \
+           [(r.first_token_s, r.finish_s, r.preemptions) for r in runs[1].requests]
+    assert runs[0].timeline == runs[1].timeline
+    assert runs[0].replica_seconds == runs[1].replica_seconds
+
+
+def test_queue_kv_policy_scales_out_for_a_surge_and_back_in_after_it():
+    result = simulate(surge(), PROFILE, QueueKVSimPolicy(QueueKVConfig(scale_down_cooldown_s=10.0)),
+                      ClusterConfig(serve=FAST_SERVE, startup_s=10.0))
+    alive = [p.running + p.starting + p.draining for p in result.timeline]
+    peak = alive.index(max(alive))
+    assert max(alive) > 1, "the surge should need more than one replica"
+    assert max(alive) <= FAST_SERVE.max_replicas
+    assert alive[-1] < max(alive) and all(a >= FAST_SERVE.min_replicas for a in alive[peak:])
+    assert all(r.finish_s is not None for r in result.requests), "draining replicas finish what they hold"
+    assert result.replica_seconds < max(alive) * result.duration_s
+
+
+def test_a_replica_killed_at_its_drain_deadline_fails_what_it_held():
+    serve = dataclasses.replace(FAST_SERVE, downscale_delay_s=0.0, upscale_delay_s=0.0)
+    cluster = ClusterConfig(serve=serve, initial_replicas=2, graceful_shutdown_timeout_s=0.5)
+    long_requests = [RequestSpec(0.0, 64, 2000)] * 2  # both keep their replicas busy long past the deadline
+    result = simulate(long_requests, PROFILE, OngoingRequestsPolicy(target_ongoing_requests=8.0), cluster)
+    assert sorted(r.failed or "ok" for r in result.requests) == ["killed", "ok"]
+
+
+def test_the_recorded_profile_predicts_its_held_out_benchmark_run_within_25_percent():
+    validation = PROFILE.validation
+    requests = SyntheticWorkload(**validation["workload"]).requests()
+    predicted = throughput(simulate(requests, PROFILE, OngoingRequestsPolicy(), single_replica()))
+    measured = validation["measured"]["output_tok_s"]
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+@pytest.mark.slow
+def test_a_replica_fitted_on_a_real_engine_run_predicts_that_runs_throughput_within_25_percent(smollm2_path):
+    """A small real run with queueing and preemption (16 running at most, a KV pool smaller than the load);
+    the step model is fitted on its own steps, so what is checked is the simulated scheduler around it."""
+    from benchmarks.step_profile import engine_shape, make_engine, run_workload
+
+    engine = make_engine(str(smollm2_path), "bfloat16", threads=1, kv_cache_memory_bytes=0, num_kv_blocks=160,
+                         max_num_batched_tokens=512, max_num_seqs=16)
+    run_workload(engine, SyntheticWorkload(2, input_mean=32, output_mean=4).requests())  # warm-up
+    workload = SyntheticWorkload(24, input_mean=200, input_std=60, output_mean=48, output_std=12, seed=3)
+    record = run_workload(engine, workload.requests(), seed=3)
+    assert record.num_preemptions > 0, "the load should overflow the KV pool"
+    profile = ReplicaProfile("live", StepTimeModel.fit(record.samples, relative=False), engine_shape(engine))
+    result = simulate(workload.requests(), profile, OngoingRequestsPolicy(), single_replica())
+    predicted, measured = throughput(result), record.output_tok_s
+    assert sum(r.preemptions for r in result.requests) > 0
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def test_step_model_fit_recovers_known_coefficients_and_ignores_contended_steps():
+    truth = StepTimeModel(base=0.02, prefill_token=0.001, decode_seq=0.0005, context_token=2e-6,
+                          prefill_attention=1.0)
+    samples = []
+    for i in range(200):
+        prefill, decodes = (i * 37) % 1024 if i % 3 else 0, (i * 7) % 48
+        sample = StepSample(prefill, decodes, decodes * (100 + i), prefill * (prefill / 2 + i) / 1e6, 0.0)
+        slow = 3.0 if i % 10 == 0 else 1.0  # one step in ten lost its core to another process
+        samples.append(dataclasses.replace(sample, seconds=truth.predict(sample) * slow))
+    fitted = StepTimeModel.fit(samples, trim_slow=0.25)
+    for name in ("base", "prefill_token", "decode_seq", "context_token"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE} (../shared is absent)")
+def test_a_mooncake_window_replays_with_shared_prefixes_served_from_cache():
+    requests = TraceWorkload(str(TRACE), block_size=8, start_ms=975_400, end_ms=1_005_400,
+                             max_output_tokens=64).requests()
+    assert len(requests) > 100 and all(r.prefix_ids for r in requests)
+    result = simulate(requests, PROFILE, QueueKVSimPolicy(), ClusterConfig(serve=FAST_SERVE))
+    summary = summarize(result, SLO())
+    assert summary.finished == len(requests)
+    cached = sum(r.cached_tokens for r in result.requests) / sum(r.spec.prompt_tokens for r in result.requests)
+    assert 0.1 < cached < 0.9, cached
+
+
+def test_cli_compares_policies_and_writes_json_and_png(tmp_path):
+    out = tmp_path / "sim.json"
+    run = subprocess.run([sys.executable, "-m", "autoscaling.simulate", "--num-requests", "60", "--rate", "3",
+                          "--policies", "queue_kv:waiting_high=3", "ongoing_requests:4", "--max-replicas", "3",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["policy"] for r in data["results"]] == ["queue_kv:waiting_high=3", "ongoing_requests:4"]
+    assert all(r["finished"] == 60 and r["replica_seconds"] > 0 for r in data["results"])
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_engine_shape_of_the_recorded_profile_is_the_apps():
+    assert PROFILE.engine == EngineShape(block_size=16, num_kv_blocks=PROFILE.engine.num_kv_blocks,
+                                         max_num_batched_tokens=2048, max_num_seqs=64)
+    assert PROFILE.engine.num_kv_blocks > 1000  # 512 MiB of KV, as serve_config.yaml gives each replica
