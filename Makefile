@@ -54,6 +54,16 @@ bench-router: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m benchmarks.bench_router --model $(MODEL) --out results/bench_router.json \
 		$(BENCH_ARGS)
 
+# Autoscaling policies on the Mooncake trace, simulated: Serve's default policy against queue + KV (README: Autoscaling).
+.PHONY: bench-autoscale step-profile
+TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+bench-autoscale: install
+	$(BIN)/python -m benchmarks.bench_autoscale --trace $(TRACE) --out results/bench_autoscale.json $(BENCH_ARGS)
+
+# Re-measures the engine's step times and refits the simulator's replica profile (about 4 minutes; a quiet machine).
+step-profile: install model
+	$(BIN)/python -m benchmarks.step_profile --model $(MODEL) --out autoscaling/profiles/smollm2-135m-cpu-bf16.json
+
 # `make serve` from a fresh clone of this checkout, answered by one chat request, then stopped.
 serve-smoke:
 	bash scripts/serve_smoke.sh
