@@ -3,6 +3,9 @@
 Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs
 with one engine replica holding both CPUs. Prints a table and writes JSON.
 
+`--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
+them on, then off, then again, each on the same prompts; the summary compares the mean throughput of each.
+
     python -m benchmarks.bench_serve --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from deployments.config import AppArgs, EngineArgs
+from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
 log = logging.getLogger("bench_serve")
@@ -55,6 +59,7 @@ class Report:
     output_tokens: int
     levels: list[LevelResult] = field(default_factory=list)
     ratios: dict[str, dict[int, float]] = field(default_factory=dict)  # serve tok/s over engine tok/s
+    timeline_cost: dict[int, float] = field(default_factory=dict)  # 1 - mean tok/s on / mean tok/s off
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -168,14 +173,31 @@ async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[in
 
 
 def print_table(report: Report) -> None:
-    print(f"\n{'path':<28} {'conc':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+    print(f"\n{'path':<44} {'conc':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'TPOT p50':>9} {'fail':>4}")
     for r in report.levels:
-        print(f"{r.path:<28} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
+        print(f"{r.path:<44} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
               f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4}")
     for label, by_level in report.ratios.items():
         ratios = ", ".join(f"c={c}: {ratio:.0%}" for c, ratio in by_level.items())
         print(f"{label} / engine throughput: {ratios}")
+    if report.timeline_cost:
+        costs = ", ".join(f"c={c}: {cost:+.1%}" for c, cost in report.timeline_cost.items())
+        print(f"throughput cost of timelines and the step trace (mean on vs mean off): {costs}")
+
+
+def timeline_cost(levels: list[LevelResult]) -> dict[int, float]:
+    """Per concurrency, 1 - (mean output tok/s with timelines on) / (mean with them off)."""
+    def mean_tok_s(state: str, concurrency: int) -> float | None:
+        runs = [r.output_tok_s for r in levels if f"timeline={state}" in r.path and r.concurrency == concurrency]
+        return statistics.mean(runs) if runs else None
+
+    costs = {}
+    for concurrency in sorted({r.concurrency for r in levels}):
+        on, off = mean_tok_s("on", concurrency), mean_tok_s("off", concurrency)
+        if on is not None and off:
+            costs[concurrency] = 1 - on / off
+    return costs
 
 
 def main() -> None:
@@ -189,6 +211,10 @@ def main() -> None:
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the one engine replica (and its threads)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs().max_num_batched_tokens,
                         help="the engine's token budget per step (prefill chunk size): lower evens out ITL")
+    parser.add_argument("--timelines", default="on", help="comma-separated on/off: serve with request timelines "
+                                                           "and the step trace on, off, or both in turn")
+    parser.add_argument("--repeats", type=int, default=1, help="how many times to serve each configuration, "
+                                                               "alternating them")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
     args = parser.parse_args()
@@ -206,16 +232,22 @@ def main() -> None:
     if not args.skip_engine:
         config = AppArgs(model=args.model, engine=engine_args, engine_num_cpus=args.num_cpus).engine_config()
         report.levels += asyncio.run(bench_engine(config, prompt_sets, args.output_tokens, warmup))
-    for interval in (float(x) for x in args.stream_intervals.split(",")):
-        label = f"serve(stream_interval={interval:g}s)"
-        app_args = AppArgs(model=args.model, num_engine_replicas=1, engine_num_cpus=args.num_cpus,
-                           ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args)
-        served = local.start(app_args, num_cpus=args.num_cpus)
-        try:
-            report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
-                                                    args.output_tokens, warmup))
-        finally:
-            served.stop()
+    configs = [(float(interval), timeline) for interval in args.stream_intervals.split(",")
+               for timeline in args.timelines.split(",")]
+    for repeat in range(1, args.repeats + 1):
+        for interval, timeline in configs:
+            label = f"serve(stream_interval={interval:g}s, timeline={timeline})"
+            label += f" #{repeat}" if args.repeats > 1 else ""
+            app_args = AppArgs(model=args.model, num_engine_replicas=1, engine_num_cpus=args.num_cpus,
+                               ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args,
+                               timeline=TimelineArgs(enabled=timeline == "on"))
+            served = local.start(app_args, num_cpus=args.num_cpus)
+            try:
+                report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
+                                                        args.output_tokens, warmup))
+            finally:
+                served.stop()
+    report.timeline_cost = timeline_cost(report.levels)
     engine_tok_s = {r.concurrency: r.output_tok_s for r in report.levels if r.path == "engine"}
     for r in report.levels:
         if r.path != "engine" and r.concurrency in engine_tok_s:
