@@ -125,3 +125,31 @@ def test_chrome_trace_has_a_process_per_replica_and_a_span_per_stage():
     for lane in {(e["pid"], e["tid"]) for e in requests}:  # spans on one lane never overlap
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in requests if (e["pid"], e["tid"]) == lane)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_the_off_switch_reaches_the_engine_and_the_ingress():
+    from deployments.config import AppArgs
+    from deployments.errors import OpenAIError
+    from deployments.timeline_config import TimelineArgs
+    from deployments.timeline_recorder import TimelineRecorder
+
+    on = AppArgs(model="/models/x.gguf").engine_config()
+    off = AppArgs(model="/models/x.gguf", timeline={"enabled": False}).engine_config()
+    assert on.record_request_events and on.step_history == TimelineArgs().step_ring
+    assert not off.record_request_events and off.step_history == 512  # the metrics still read the ring
+    recorder = TimelineRecorder(TimelineArgs(enabled=False), "model")
+    with pytest.raises(OpenAIError) as refused:
+        recorder.lookup("cmpl-1")
+    assert refused.value.status == 404 and refused.value.body.error.code == "timelines_disabled"
+
+
+def test_the_store_keeps_the_most_recent_timelines():
+    from deployments.timeline_recorder import TimelineStore
+
+    store = TimelineStore(capacity=2)
+    for i in range(3):
+        t = request_timeline(PLAIN)
+        t.request_id = f"cmpl-{i}"
+        store.put(t)
+    assert store.get("cmpl-0") is None and store.get("cmpl-2").request_id == "cmpl-2"
+    assert [t.request_id for t in store.since(0.0)] == ["cmpl-1", "cmpl-2"]
