@@ -122,9 +122,6 @@ class TimelineView(BaseModel):
 class RequestTimeline:
     """The ingress's marks for one HTTP request (time.monotonic() of its process) and what the engine sent back."""
 
-    wanted = True
-    enabled = True
-
     def __init__(self, wanted: bool) -> None:
         self.wanted = wanted  # the client asked for it inline
         self.arrival_time = time.time()
@@ -135,7 +132,6 @@ class RequestTimeline:
         self.engine: EngineTimeline | None = None
         self.engine_read: float | None = None
         self.routing: RoutingNote | None = None
-        self._stages: list[Stage] | None = None
 
     def prompt_ready(self) -> None:
         self.tokenized = time.monotonic()
@@ -172,7 +168,6 @@ class TimelineOff:
     """Stands in for RequestTimeline when timelines are off, or outside an HTTP request: every mark is a no-op."""
 
     wanted = False
-    enabled = False
     request_id = None
 
     def prompt_ready(self) -> None: ...
