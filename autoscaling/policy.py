@@ -3,7 +3,8 @@
 A replica whose KV cache is full preempts and stalls long before its request count says so, and one with a long
 waiting queue misses its time-to-first-token. So this policy scales up when the waiting requests per replica, the
 KV usage or the preemption rate passes its high mark, and scales down only when waiting and KV usage are both
-under their low marks and would stay under the high marks on one replica fewer. Between the marks it holds.
+under their low marks and, spread over one replica fewer, would stay under the middle of their bands (a scale-in
+that lands next to a high mark comes straight back). Between the marks it holds.
 
 `queue_kv_decision` is a pure function of `DeploymentSignals`, a `QueueKVConfig` and the state it returned last
 time; `QueueKVPolicy` adapts it to Ray Serve (`AutoscalingConfig(policy={"policy_function":
@@ -45,8 +46,8 @@ class QueueKVConfig:
     max_step_up: int = 2
     # Most replicas removed in one decision.
     max_step_down: int = 1
-    # No scale-down for this long after this policy last asked for more: the new replicas must drain the backlog
-    # that made them, and a scale-down right after would bring it back.
+    # No scale-down for this long after the load was last past a high mark: replicas added for it must first drain
+    # the backlog that made them, and a scale-down right after would bring it back.
     scale_down_cooldown_s: float = 60.0
     # Before any replica has reported its engine stats: Serve's rule (ongoing / target) with this target,
     # and only ever up.
@@ -117,18 +118,18 @@ def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: 
     if load is None:
         wanted = math.ceil(signals.total_ongoing / config.fallback_target_ongoing)
         if wanted > target:
-            state["last_scale_up_at"] = signals.now
+            state["last_overloaded_at"] = signals.now
             return decide(wanted, f"no engine stats yet; {signals.total_ongoing:.0f} ongoing requests")
         return decide(target, "no engine stats yet")
 
     pressure = load.pressure(config)
     if pressure > 1:
+        state["last_overloaded_at"] = signals.now
         # Replicas still starting will take their share: size the step on the count Serve is already moving to.
         base = max(n, target)
         excess = pressure * n / base - 1
         if excess <= 0:
             return decide(target, f"overloaded, replicas starting ({_describe(load)})")
-        state["last_scale_up_at"] = signals.now
         step = min(max(math.ceil(base * excess), 1), config.max_step_up)
         return decide(base + step, f"overloaded ({_describe(load)})")
 
@@ -140,19 +141,21 @@ def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: 
         return decide(target, "under the low marks, at min_replicas")
     if not signals.all_reported:
         return decide(target, "under the low marks, but not every replica has reported")
-    last_up = state.get("last_scale_up_at")
-    if last_up is not None and signals.now - last_up < config.scale_down_cooldown_s:
-        return decide(target, "under the low marks, cooling down after a scale-up")
-    # The load of the replicas removed moves to the others: remove only as many as keep them under the high marks.
+    last_overloaded = state.get("last_overloaded_at")
+    if last_overloaded is not None and signals.now - last_overloaded < config.scale_down_cooldown_s:
+        return decide(target, "under the low marks, cooling down after an overload")
+    # The load of the replicas removed moves to the others: remove only as many as keep it under the middle of
+    # each band. Averages hide peaks (a request's KV grows as it generates), hence the margin below the high marks.
     fewer = n
     while fewer > max(low, 1) and n - fewer < config.max_step_down:
         spread = n / (fewer - 1)
-        if (load.waiting * spread >= config.waiting_high or load.kv_usage * spread >= config.kv_high
-                or load.preemptions_per_s * spread >= config.preemptions_high):
+        if (load.waiting * spread >= (config.waiting_low + config.waiting_high) / 2
+                or load.kv_usage * spread >= (config.kv_low + config.kv_high) / 2
+                or load.preemptions_per_s * spread >= config.preemptions_high / 2):
             break
         fewer -= 1
     if fewer == n:
-        return decide(target, f"under the low marks, but {n - 1} replicas would be past the high marks")
+        return decide(target, f"under the low marks, but on {n - 1} replicas the load would near the high marks")
     return decide(min(fewer, target), f"under the low marks ({_describe(load)})")
 
 

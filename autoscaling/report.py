@@ -68,11 +68,12 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 
 def table(summaries: list[Summary]) -> str:
-    head = (f"{'policy':30} {'good':>5} {'goodput/s':>9} {'fail':>4} {'TTFT p50':>8} {'p99':>7} {'ITL p50':>7} "
+    width = max([len(s.policy) for s in summaries] + [6])
+    head = (f"{'policy':{width}} {'good':>5} {'goodput/s':>9} {'fail':>4} {'TTFT p50':>8} {'p99':>7} {'ITL p50':>7} "
             f"{'p99':>6} {'out tok/s':>9} {'replica-s':>9} {'mean':>5} {'max':>3}")
     lines = [head]
     for s in summaries:
-        lines.append(f"{s.policy:30} {s.good_requests:5d} {s.goodput_rps:9.3f} {s.failed:4d} {s.ttft_p50_s:8.2f} "
+        lines.append(f"{s.policy:{width}} {s.good_requests:5d} {s.goodput_rps:9.3f} {s.failed:4d} {s.ttft_p50_s:8.2f} "
                      f"{s.ttft_p99_s:7.2f} {s.itl_p50_s * 1000:6.0f}m {s.itl_p99_s * 1000:5.0f}m "
                      f"{s.output_tok_s:9.1f} {s.replica_seconds:9.0f} {s.mean_replicas:5.2f} {s.max_replicas:3d}")
     return "\n".join(lines)

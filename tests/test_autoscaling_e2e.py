@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.disruptive]
 FAST = AutoscalingArgs(enabled=True, min_replicas=1, max_replicas=2, upscale_delay_s=2.0, downscale_delay_s=5.0,
                        look_back_period_s=2.0, metrics_interval_s=0.5,
                        queue_kv=QueueKVConfig(scale_down_cooldown_s=5.0))
-HEAVY_STREAMS = 24  # with ~100-token prompts and 160 output tokens each, more than one replica's 384 KV blocks
+HEAVY_STREAMS = 32  # with ~100-token prompts and 160 output tokens each, well past one replica's 384 KV blocks
+HOLD_UNDER_LOAD_S = 15.0  # after scaling out, the load stays this long: the count must not flap back meanwhile
 SCALE_UP_TIMEOUT_S = 120.0
 SCALE_DOWN_TIMEOUT_S = 90.0
 
@@ -94,6 +95,11 @@ def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losin
             heavy = Streams(client, serve_app.model, HEAVY_STREAMS, max_tokens=160, prompt_words=100, seed=1)
             up_s = await wait_for(lambda: running_engine_replicas() == 2, SCALE_UP_TIMEOUT_S,
                                   "scaling out to 2 engine replicas under load")
+            held = []
+            for _ in range(int(HOLD_UNDER_LOAD_S / 0.5)):
+                held.append(running_engine_replicas())
+                await asyncio.sleep(0.5)
+            assert set(held) == {2}, f"the replica count changed under steady load: {held}"
             # The load goes; a trickle stays, so requests are in flight while a replica drains away.
             trickle = Streams(client, serve_app.model, 2, max_tokens=24, prompt_words=20, seed=2)
             await heavy.stop()

@@ -53,17 +53,21 @@ CASES = [
     Case("KV between the marks holds", signals([replica(kv=0.7)] * 3), 3, reason="within marks"),
     Case("low queue but KV above its low mark holds", signals([replica(kv=0.6, waiting=0)] * 3), 3),
     Case("low KV but queue above its low mark holds", signals([replica(kv=0.1, waiting=1)] * 3), 3),
-    # scale down only when both are under their low marks and n - 1 replicas stay under the high marks
+    # scale down only when both are under their low marks and n - 1 replicas stay under the middle of the bands
     Case("both under their low marks: one step down", signals([replica(kv=0.3, waiting=0.2)] * 4), 3,
          reason="under the low marks"),
     Case("under the low marks, but 1 replica would pass KV's high mark", signals([replica(kv=0.45)] * 2), 2,
-         reason="would be past the high marks"),
+         reason="would near the high marks"),
+    Case("under the low marks, but 1 replica would be past the middle of KV's band", signals([replica(kv=0.4)] * 2),
+         2, reason="would near the high marks"),
+    Case("under the low marks, and 1 replica would stay in the lower half of the bands",
+         signals([replica(kv=0.3, waiting=0.3)] * 2), 1, reason="under the low marks"),
     Case("all idle: one step down", signals([IDLE] * 3, ongoing=0), 2),
     Case("all idle at min_replicas stays", signals([IDLE] * 2, ongoing=0, low=2), 2),
-    Case("no scale-down within the cooldown after asking for more", signals([IDLE] * 3, now=1030.0), 3,
-         state={"last_scale_up_at": 1000.0}, reason="cooling down"),
+    Case("no scale-down within the cooldown after an overload", signals([IDLE] * 3, now=1030.0), 3,
+         state={"last_overloaded_at": 1000.0}, reason="cooling down"),
     Case("scale-down once the cooldown has passed", signals([IDLE] * 3, now=1061.0), 2,
-         state={"last_scale_up_at": 1000.0}),
+         state={"last_overloaded_at": 1000.0}),
     # bounds
     Case("never above max_replicas", signals([replica(waiting=20)] * 3, high=4), 4),
     Case("at max_replicas stays", signals([replica(waiting=20)] * 4, high=4), 4),
@@ -92,11 +96,13 @@ def test_queue_kv_decision(case: Case):
     assert case.reason in decision.reason
 
 
-def test_scale_up_records_when_it_asked_for_more_and_leaves_the_callers_state_alone():
-    state = {"last_scale_up_at": 10.0}
+def test_overload_is_remembered_even_while_replicas_start_and_the_callers_state_is_left_alone():
+    state = {"last_overloaded_at": 10.0}
     decision = queue_kv_decision(signals([replica(waiting=5)] * 2, now=500.0), CONFIG, state)
-    assert decision.state["last_scale_up_at"] == 500.0
-    assert state == {"last_scale_up_at": 10.0}
+    assert decision.state["last_overloaded_at"] == 500.0
+    assert state == {"last_overloaded_at": 10.0}
+    starting = queue_kv_decision(signals([replica(waiting=2.5)] * 2, target=3, now=600.0), CONFIG, decision.state)
+    assert starting.num_replicas == 3 and starting.state["last_overloaded_at"] == 600.0
 
 
 def test_a_ramp_up_and_down_with_hysteresis_never_flaps():
@@ -141,7 +147,7 @@ def test_serve_adapter_reads_aggregated_metrics_per_replica_and_keeps_its_state_
                "num_running": {"a": 8.0, "b": 8.0}}
     replicas, state = policy(serve_context(metrics, ["a", "b"], target=2, ongoing=19.0))
     assert replicas == 3
-    assert state == {STATE_KEY: {"last_scale_up_at": 100.0}}
+    assert state == {STATE_KEY: {"last_overloaded_at": 100.0}}
     # A replica missing from aggregated_metrics (not reported yet) blocks a scale-down.
     idle = {"kv_usage": {"a": 0.0}, "num_waiting": {"a": 0.0}, "num_running": {"a": 0.0}}
     replicas, _ = policy(serve_context(idle, ["a", "b"], target=2, ongoing=0.0))
