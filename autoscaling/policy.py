@@ -21,7 +21,8 @@ from typing import Any
 
 from autoscaling.signals import DeploymentSignals, replica_signals
 
-log = logging.getLogger(__name__)
+# Serve's own logger: under Serve the decisions land in the controller's log beside its scaling lines.
+log = logging.getLogger("ray.serve")
 
 STATE_KEY = "tokenline_queue_kv"  # this policy's entry in Serve's policy_state
 

@@ -104,7 +104,8 @@ class _Metrics:
     pushed_until: float = -1.0
     next_push: float = 0.0
 
-    def window_mean(self, start: float) -> list[Any]:
+    def visible(self, start: float) -> list[Any]:
+        """The samples the controller has received that fall in the look-back window."""
         return [value for t, value in self.samples if start <= t <= self.pushed_until]
 
     def prune(self, before: float) -> None:
@@ -230,10 +231,10 @@ class Simulation:
         for replica in running:
             metrics = self.metrics[replica.replica_id]
             metrics.prune(start)
-            seen = metrics.window_mean(start)
+            seen = metrics.visible(start)
             replicas.append(_mean_signals(seen) if seen else None)
         self.handle_metrics.prune(start)
-        ongoing = self.handle_metrics.window_mean(start)
+        ongoing = self.handle_metrics.visible(start)
         return DeploymentSignals(current_replicas=len(running), target_replicas=self.target,
                                  min_replicas=self.serve.min_replicas, max_replicas=self.serve.max_replicas,
                                  total_ongoing=sum(ongoing) / len(ongoing) if ongoing else 0.0,

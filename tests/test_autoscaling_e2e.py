@@ -102,9 +102,11 @@ def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losin
             assert set(held) == {2}, f"the replica count changed under steady load: {held}"
             # The load goes; a trickle stays, so requests are in flight while a replica drains away.
             trickle = Streams(client, serve_app.model, 2, max_tokens=24, prompt_words=20, seed=2)
-            await heavy.stop()
-            down_s = await wait_for(lambda: alive_engine_replicas() == 1, SCALE_DOWN_TIMEOUT_S,
-                                    "scaling back in to 1 engine replica after the load")
+            stopped = time.monotonic()
+            await heavy.stop()  # no new heavy requests; the ones in flight finish, maybe while a replica drains
+            await wait_for(lambda: alive_engine_replicas() == 1, SCALE_DOWN_TIMEOUT_S,
+                           "scaling back in to 1 engine replica after the load")
+            down_s = time.monotonic() - stopped
             await trickle.stop()
             return up_s, down_s, heavy, trickle
 
