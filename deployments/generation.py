@@ -81,7 +81,10 @@ class Generation:
     def cancel(self) -> None:
         """Ends the replica's stream, aborting what still runs there, unless the engine already finished it."""
         if not all(c.engine_finished for c in self.choices):
-            self._responses.cancel()
+            try:
+                self._responses.cancel()
+            except Exception as exc:  # Serve re-raises a routing failure (backpressure) from cancel()
+                log.debug("cancelling the engine stream: %r", exc)
 
     def usage(self) -> Usage:
         completion = sum(c.num_output_tokens for c in self.choices)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments import auth, limits
@@ -188,6 +189,10 @@ class OpenAIIngress:
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    self._info = await self._engine.model_info.remote()
+                    try:
+                        self._info = await self._engine.model_info.remote()
+                    except BackPressureError as exc:  # Serve would answer this in plain text
+                        raise limits.overloaded(f"every engine replica is busy and {exc.message}; "
+                                                f"retry shortly") from exc
         return self._info
 

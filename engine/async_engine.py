@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
@@ -44,6 +46,24 @@ class _Call:
 
     fn: Callable[[], Any]
     done: concurrent.futures.Future
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+HEAP_TRIM_INTERVAL_S = 5.0
+
+
+def release_free_heap() -> None:
+    """glibc keeps freed memory in its arenas; after a burst of requests of varied shapes that is hundreds of MB
+    of RSS the process no longer uses (measured: 1.6 GB back to 1.2 GB per SmolLM2 replica after 600 requests)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class EngineDeadError(RuntimeError):
@@ -140,13 +160,20 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        busy_since_trim, last_trim = False, time.monotonic()
         try:
             while not self._stopped:
                 self._drain_inbox()
                 if not engine.has_unfinished():
+                    # Idle: hand the heap the last requests freed back to the OS (at most every few seconds: it walks
+                    # every malloc arena).
+                    if busy_since_trim and time.monotonic() - last_trim >= HEAP_TRIM_INTERVAL_S:
+                        release_free_heap()
+                        busy_since_trim, last_trim = False, time.monotonic()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                busy_since_trim = True
                 for out in engine.step():
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the loop must tell every waiter, whatever killed it
