@@ -1,0 +1,200 @@
+"""Failures and changes under load: a killed engine replica, an engine whose step loop dies, overload past every
+bound, and a redeploy that scales down while streams run. Each test leaves the session app as it found it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from deployments.config import AppArgs
+from tests.serve_processes import (ENGINE, INGRESS, break_step_loop, replica_actors, replica_pids, rss_mb,
+                                   wait_for_replicas, wait_until_idle)
+
+pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.disruptive]
+
+
+async def one_request(http: httpx.AsyncClient, model: str, i: int, stream: bool, max_tokens: int) -> str:
+    """How one request ended: complete, error-event (an SSE error, then [DONE]) or status-NNN."""
+    body = {"model": model, "prompt": f"Request {i}: once upon a time", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+    if not stream:
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            return f"status-{response.status_code}"
+        assert response.json()["usage"]["completion_tokens"] == max_tokens
+        return "complete"
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            return f"status-{response.status_code}"
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    if lines[-2].startswith('data: {"error"'):
+        assert set(json.loads(lines[-2][6:])["error"]) == {"message", "type", "param", "code"}
+        return "error-event"
+    finish = [c["finish_reason"] for line in lines[:-1] for c in json.loads(line[6:])["choices"]]
+    assert finish[-1] == "length", finish[-3:]
+    return "complete"
+
+
+async def requests_at_once(base_url: str, model: str, count: int, max_tokens: int, stream: bool = True,
+                           timeout_s: float = 180, headers: dict | None = None) -> list[str]:
+    limits = httpx.Limits(max_connections=count + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits, headers=headers) as http:
+        return await asyncio.wait_for(
+            asyncio.gather(*(one_request(http, model, i, stream and i % 4 != 3, max_tokens) for i in range(count))),
+            timeout=timeout_s)
+
+
+class Background:
+    """Runs requests_at_once on its own thread, so the test can break things while they are in flight."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.outcomes: list[str] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=args, kwargs=kwargs, daemon=True)
+        self._thread.start()
+
+    def _run(self, *args, **kwargs) -> None:
+        try:
+            self.outcomes = asyncio.run(requests_at_once(*args, **kwargs))
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self, timeout_s: float) -> list[str]:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "requests still hang"
+        if self.error is not None:
+            raise self.error
+        return self.outcomes
+
+
+def wait_until_busy(serve_app, min_running: int, timeout_s: float = 60) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = serve_app.engine_replica_stats()
+        if sum(s.num_running for s in stats) >= min_running:
+            return stats
+        time.sleep(0.1)
+    raise TimeoutError("the engine replicas never got busy")
+
+
+def sequential_requests_succeed(serve_app, count: int) -> list[int]:
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        return [http.post("/v1/completions", json={"prompt": f"Hi {i}", "max_tokens": 2}).status_code
+                for i in range(count)]
+
+
+def test_killed_engine_replica_fails_its_requests_cleanly_and_is_replaced(serve_app):
+    assert len(wait_until_idle(serve_app, 60)) == 2
+    pids = replica_pids(ENGINE)
+    assert len(pids) == 2
+    load = Background(serve_app.base_url, serve_app.model, 16, 400)
+    stats = wait_until_busy(serve_app, 8)
+    victim = max(stats, key=lambda s: s.num_running).replica_id
+    os.kill(pids[victim], signal.SIGKILL)
+    # Straight after the kill, new requests go to the live replica: none waits on or fails for the dead one.
+    assert sequential_requests_succeed(serve_app, 6) == [200] * 6
+    outcomes = load.result(180)
+    # The victim's requests end with an SSE error event (streams) or a 503 (whole responses), never a hang;
+    # the survivor's complete.
+    assert set(outcomes) <= {"complete", "error-event", "status-503"}, outcomes
+    assert outcomes.count("complete") >= 1 and len(outcomes) - outcomes.count("complete") >= 1, outcomes
+    wait_for_replicas(serve_app, 2, 240, without={victim})
+    assert sequential_requests_succeed(serve_app, 4) == [200] * 4
+    assert len(wait_until_idle(serve_app, 60)) == 2
+
+
+def test_replica_whose_engine_loop_dies_fails_serves_health_check_and_is_replaced(serve_app):
+    import ray
+
+    assert len(wait_until_idle(serve_app, 60)) == 2
+    victim_id, victim = sorted(replica_actors(ENGINE).items())[0]
+    ray.get(victim.__ray_call__.remote(break_step_loop), timeout=30)
+    # Serve's health check runs EngineReplica.check_health on the replica: it now raises.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(victim.check_health.remote(), timeout=10)
+        except ray.exceptions.RayTaskError as exc:
+            assert "engine step loop is down" in str(exc)
+            break
+        assert time.monotonic() < deadline, "the replica still reports healthy"
+        time.sleep(0.5)
+    # Until Serve replaces it, requests that land there get 503 at once, never a hang or a 500.
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        codes = [http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code for _ in range(6)]
+    assert set(codes) <= {200, 503}, codes
+    wait_for_replicas(serve_app, 2, 240, without={victim_id})
+    assert sequential_requests_succeed(serve_app, 4) == [200] * 4
+
+
+def overloaded_args(args: AppArgs) -> AppArgs:
+    """One engine replica with tiny bounds everywhere, and a 6 s default deadline."""
+    engine = args.engine.model_copy(update={"max_num_seqs": 2, "max_num_waiting": 1})
+    limits = args.limits.model_copy(update={"max_concurrent_requests": 10, "engine_max_queued_requests": 2,
+                                            "request_timeout_s": 6.0, "graceful_shutdown_timeout_s": 30.0})
+    return args.model_copy(update={"num_engine_replicas": 1, "engine_max_ongoing_requests": 4, "engine": engine,
+                                   "max_num_seqs": None, "limits": limits})
+
+
+def test_redeploy_drains_streams_then_overload_is_refused_with_retry_after(serve_app):
+    original = serve_app.args
+    assert len(wait_until_idle(serve_app, 60)) == 2
+    try:
+        # Scale down and change every replica's arguments while 12 requests stream: none is cut.
+        load = Background(serve_app.base_url, serve_app.model, 12, 48)
+        wait_until_busy(serve_app, 6)
+        serve_app.redeploy(overloaded_args(original))
+        assert load.result(240) == ["complete"] * 12
+        assert len(wait_for_replicas(serve_app, 1, 120)) == 1
+
+        ingress_pids = replica_pids(INGRESS)
+        before = rss_mb(ingress_pids)
+        outcomes: list[tuple[int, str, str | None]] = []
+        for _ in range(2):
+            outcomes += asyncio.run(flood(serve_app.base_url, 40))
+        after = rss_mb(ingress_pids)
+        codes = {code for code, _, _ in outcomes}
+        assert codes == {200, 503}, outcomes
+        refusals = [message for code, message, _ in outcomes if code == 503]
+        assert all(retry_after == "1" for code, _, retry_after in outcomes if code == 503)
+        assert any("requests at once" in m for m in refusals), refusals  # the ingress's own bound
+        assert any("waiting queue is full" in m or "every engine replica is busy" in m for m in refusals), refusals
+        assert all(after[r] - before[r] < 32 for r in before), (before, after)
+
+        # The configured deadline (6 s here) ends a request nobody set a deadline for.
+        with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+            response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True})
+        assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+        stats = wait_until_idle(serve_app, 30, num_replicas=1)
+        assert all(s.num_running == 0 and s.num_used_kv_blocks == 0 for s in stats), stats
+    finally:
+        serve_app.redeploy(original)
+    assert len(wait_for_replicas(serve_app, 2, 240)) == 2
+
+
+async def flood(base_url: str, count: int) -> list[tuple[int, str, str | None]]:
+    """`count` requests at once; each answer as (status, error message or '', Retry-After)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                 limits=httpx.Limits(max_connections=count + 4)) as http:
+        async def one(i: int) -> tuple[int, str, str | None]:
+            response = await http.post("/v1/completions", json={"prompt": f"Flood {i}", "max_tokens": 24,
+                                                                 "ignore_eos": True})
+            if response.status_code == 200:
+                return 200, "", None
+            assert response.headers.get("content-type") == "application/json", (response.status_code, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            return response.status_code, error["message"], response.headers.get("retry-after")
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), timeout=180)
