@@ -1,7 +1,9 @@
 """Bounds on what one ingress replica takes on: body size, content type, requests at once, and each one's deadline.
 
 A plain ASGI middleware (streamed bodies pass through untouched), inside the metrics middleware so its refusals
-are counted. Every refusal is an OpenAI-shaped error; overload answers 503 with `Retry-After`.
+are counted. Every refusal is an OpenAI-shaped error; overload answers 503 with `Retry-After`: past
+`max_concurrent_requests`, and also when the requests already in flight, at the rate this replica has been
+answering them, would keep a new one waiting past most of its deadline.
 
 Deadlines: `limits.request_timeout_s`, or the shorter one a client asks for in the `X-Request-Timeout` header
 (seconds). Past it the handler is cancelled, which cancels the engine call and so aborts the request and frees
@@ -14,6 +16,8 @@ import asyncio
 import json
 import logging
 import math
+import time
+from collections import deque
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = b"x-request-timeout"
 GUARDED_PREFIX = "/v1/"
+ADMIT_WAIT_FRACTION = 0.8  # refuse when the expected wait passes this share of the request's deadline
 
 
 class LimitsArgs(BaseModel):
@@ -61,10 +66,37 @@ def configure(limits: LimitsArgs) -> None:
     _limits = limits
 
 
+class ThroughputMeter:
+    """Requests this ingress replica answered with 200 per second, over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float = 10.0, min_samples: int = 8) -> None:
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self._times: deque[float] = deque()
+        self._first: float | None = None
+
+    def record(self, now: float) -> None:
+        self._first = now if self._first is None else self._first
+        self._times.append(now)
+        self._trim(now)
+
+    def rate(self, now: float) -> float | None:
+        """None until a whole window has been seen with enough answers in it: no guess is better than a bad one."""
+        self._trim(now)
+        if self._first is None or now - self._first < self.window_s or len(self._times) < self.min_samples:
+            return None
+        return len(self._times) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+
+
 class RequestLimitsMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.num_in_flight = 0
+        self.throughput = ThroughputMeter()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope.get("path", "").startswith(GUARDED_PREFIX):
@@ -80,13 +112,24 @@ class RequestLimitsMiddleware:
             await _send_error(send, _overloaded(f"this server is at its limit of {limits.max_concurrent_requests} "
                                                 f"requests at once; retry shortly", limits))
             return
+        # Little's law: a request admitted now waits about (requests in flight) / (answers per second). Admitting
+        # one that cannot finish before its deadline only takes the place of one that could.
+        rate = self.throughput.rate(time.monotonic())
+        if rate and self.num_in_flight / rate > ADMIT_WAIT_FRACTION * timeout_s:
+            await _send_error(send, _overloaded(f"this server is {self.num_in_flight / rate:.0f}s behind, past "
+                                                f"this request's {timeout_s:g}s deadline; retry shortly", limits))
+            return
         self.num_in_flight += 1
         try:
-            await self._serve_with_deadline(scope, _limited_receive(receive, limits.max_body_bytes), send, timeout_s)
+            status = await self._serve_with_deadline(scope, _limited_receive(receive, limits.max_body_bytes), send,
+                                                     timeout_s)
+            if status == 200:
+                self.throughput.record(time.monotonic())
         finally:
             self.num_in_flight -= 1
 
-    async def _serve_with_deadline(self, scope: dict, receive: Any, send: Any, timeout_s: float) -> None:
+    async def _serve_with_deadline(self, scope: dict, receive: Any, send: Any, timeout_s: float) -> int | None:
+        """Returns the response's status, or None when the deadline cut it."""
         started: dict[str, Any] = {}
         done = complete = False
 
@@ -109,12 +152,12 @@ class RequestLimitsMiddleware:
             raise
         if finished:
             task.result()  # the handler's own exception, if any, goes on up
-            return
+            return started.get("status")
         done = True
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         if complete:
-            return
+            return started.get("status")
         error = OpenAIError(408, f"the request did not finish within its deadline of {timeout_s:g}s "
                                  f"(limits.request_timeout_s, or the X-Request-Timeout header)",
                             code="request_timeout")
@@ -126,6 +169,7 @@ class RequestLimitsMiddleware:
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None
 
 
 def _check_headers(scope: dict, limits: LimitsArgs) -> float:
