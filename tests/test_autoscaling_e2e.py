@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.disruptive]
 FAST = AutoscalingArgs(enabled=True, min_replicas=1, max_replicas=2, upscale_delay_s=2.0, downscale_delay_s=5.0,
                        look_back_period_s=2.0, metrics_interval_s=0.5,
                        queue_kv=QueueKVConfig(scale_down_cooldown_s=5.0))
-HEAVY_STREAMS = 32  # with ~100-token prompts and 160 output tokens each, well past one replica's 384 KV blocks
-HOLD_UNDER_LOAD_S = 15.0  # after scaling out, the load stays this long: the count must not flap back meanwhile
+HEAVY_STREAMS = 32  # with ~100-token prompts and 128 output tokens each, well past one replica's 384 KV blocks
+HOLD_UNDER_LOAD_S = 10.0  # after scaling out, the load stays this long: the count must not flap back meanwhile
 SCALE_UP_TIMEOUT_S = 120.0
 SCALE_DOWN_TIMEOUT_S = 90.0
 
@@ -92,7 +92,7 @@ def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losin
                        "the autoscaled app settling on its initial replica")
         async with AsyncOpenAI(base_url=f"{serve_app.base_url}/v1", api_key="unused", timeout=180,
                                max_retries=0) as client:
-            heavy = Streams(client, serve_app.model, HEAVY_STREAMS, max_tokens=160, prompt_words=100, seed=1)
+            heavy = Streams(client, serve_app.model, HEAVY_STREAMS, max_tokens=128, prompt_words=100, seed=1)
             up_s = await wait_for(lambda: running_engine_replicas() == 2, SCALE_UP_TIMEOUT_S,
                                   "scaling out to 2 engine replicas under load")
             held = []
@@ -123,5 +123,5 @@ def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losin
     print(f"scaled out after {up_s:.1f}s of load, back in {down_s:.1f}s after it; "
           f"{len(heavy.completed)} heavy and {len(trickle.completed)} trickle requests")
     assert not heavy.errors and not trickle.errors, (heavy.errors + trickle.errors)[:5]
-    assert heavy.completed and all(n == 160 for n in heavy.completed), heavy.completed
+    assert heavy.completed and all(n == 128 for n in heavy.completed), heavy.completed
     assert trickle.completed and all(n == 24 for n in trickle.completed), trickle.completed
