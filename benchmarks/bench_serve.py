@@ -51,6 +51,9 @@ class LevelResult:
     itl_p99_s: float
     tpot_p50_s: float
     failures: int = 0
+    # CPU time the app's own processes (Serve replicas, proxy, controller) spent per output token: less sensitive
+    # than throughput to other work sharing the machine.
+    server_cpu_ms_per_token: float = float("nan")
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Report:
     levels: list[LevelResult] = field(default_factory=list)
     ratios: dict[str, dict[int, float]] = field(default_factory=dict)  # serve tok/s over engine tok/s
     timeline_cost: dict[int, float] = field(default_factory=dict)  # 1 - mean tok/s on / mean tok/s off
+    timeline_cpu_cost: dict[int, float] = field(default_factory=dict)  # mean CPU/token on / mean off - 1
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -158,6 +162,22 @@ async def bench_engine(config: EngineConfig, prompt_sets: dict[int, list[list[in
         engine.shutdown()
 
 
+def app_cpu_seconds() -> float:
+    """CPU time used so far by the Serve processes of this process's own Ray cluster (its children)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(("ray::ServeReplica", "ray::ProxyActor",
+                                                                      "ray::ServeController")):
+                times = child.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # gone meanwhile
+            continue
+    return total
+
+
 async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[int, list[list[int]]],
                      output_tokens: int, warmup: list[list[int]]) -> list[LevelResult]:
     timeout = aiohttp.ClientTimeout(total=900)
@@ -166,37 +186,45 @@ async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[in
         await run_level(one, warmup, len(warmup))
         out = []
         for concurrency, prompts in prompt_sets.items():
+            cpu_before = app_cpu_seconds()
             results, wall = await run_level(one, prompts, concurrency)
-            out.append(summarize(label, concurrency, results, wall))
+            level = summarize(label, concurrency, results, wall)
+            tokens = sum(r.output_tokens for r in results if r is not None)
+            level.server_cpu_ms_per_token = (app_cpu_seconds() - cpu_before) * 1e3 / max(tokens, 1)
+            out.append(level)
             log.info("%s", out[-1])
         return out
 
 
 def print_table(report: Report) -> None:
     print(f"\n{'path':<44} {'conc':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'TPOT p50':>9} {'fail':>4}")
+          f"{'ITL p99':>8} {'TPOT p50':>9} {'fail':>4} {'CPU ms/tok':>10}")
     for r in report.levels:
         print(f"{r.path:<44} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
-              f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4}")
+              f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4} "
+              f"{r.server_cpu_ms_per_token:>10.2f}")
     for label, by_level in report.ratios.items():
         ratios = ", ".join(f"c={c}: {ratio:.0%}" for c, ratio in by_level.items())
         print(f"{label} / engine throughput: {ratios}")
     if report.timeline_cost:
         costs = ", ".join(f"c={c}: {cost:+.1%}" for c, cost in report.timeline_cost.items())
         print(f"throughput cost of timelines and the step trace (mean on vs mean off): {costs}")
+    if report.timeline_cpu_cost:
+        costs = ", ".join(f"c={c}: {cost:+.1%}" for c, cost in report.timeline_cpu_cost.items())
+        print(f"server CPU per token, timelines on vs off (mean): {costs}")
 
 
-def timeline_cost(levels: list[LevelResult]) -> dict[int, float]:
-    """Per concurrency, 1 - (mean output tok/s with timelines on) / (mean with them off)."""
-    def mean_tok_s(state: str, concurrency: int) -> float | None:
-        runs = [r.output_tok_s for r in levels if f"timeline={state}" in r.path and r.concurrency == concurrency]
+def timeline_cost(levels: list[LevelResult], metric: str, higher_is_better: bool) -> dict[int, float]:
+    """Per concurrency, what timelines cost in `metric`: the mean with them on against the mean with them off."""
+    def mean(state: str, concurrency: int) -> float | None:
+        runs = [getattr(r, metric) for r in levels if f"timeline={state}" in r.path and r.concurrency == concurrency]
         return statistics.mean(runs) if runs else None
 
     costs = {}
     for concurrency in sorted({r.concurrency for r in levels}):
-        on, off = mean_tok_s("on", concurrency), mean_tok_s("off", concurrency)
+        on, off = mean("on", concurrency), mean("off", concurrency)
         if on is not None and off:
-            costs[concurrency] = 1 - on / off
+            costs[concurrency] = 1 - on / off if higher_is_better else on / off - 1
     return costs
 
 
@@ -247,7 +275,8 @@ def main() -> None:
                                                         args.output_tokens, warmup))
             finally:
                 served.stop()
-    report.timeline_cost = timeline_cost(report.levels)
+    report.timeline_cost = timeline_cost(report.levels, "output_tok_s", higher_is_better=True)
+    report.timeline_cpu_cost = timeline_cost(report.levels, "server_cpu_ms_per_token", higher_is_better=False)
     engine_tok_s = {r.concurrency: r.output_tok_s for r in report.levels if r.path == "engine"}
     for r in report.levels:
         if r.path != "engine" and r.concurrency in engine_tok_s:

@@ -37,6 +37,8 @@ def assert_well_formed(timeline: dict, stored: bool) -> None:
 
 
 def assert_adds_up_to(timeline: dict, client_s: float) -> None:
+    """What the timeline leaves out is Serve's HTTP proxy and the client's own reading: a few ms, which 48 output
+    tokens (a second or two here) keep a small share of the whole."""
     total = sum(s["duration_s"] for s in timeline["stages"])
     assert total <= client_s
     assert client_s - total <= max(0.05 * client_s, 0.005), (client_s, timeline["stages"])
@@ -52,7 +54,7 @@ def read_sse_timeline(lines: list[str]) -> dict:
 
 
 def test_non_streamed_timeline_has_every_stage_and_adds_up_to_the_client_latency(serve_app):
-    body = {"model": serve_app.model, "prompt": "The rivers of Europe include", "max_tokens": 24,
+    body = {"model": serve_app.model, "prompt": "The rivers of Europe include", "max_tokens": 48,
             "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=serve_app.base_url, timeout=120) as http:
         http.post("/v1/completions", json={**body, "max_tokens": 2})  # connection and caches warm
@@ -63,7 +65,7 @@ def test_non_streamed_timeline_has_every_stage_and_adds_up_to_the_client_latency
         reply = response.json()
         assert_well_formed(reply["timeline"], stored=False)
         assert_adds_up_to(reply["timeline"], client_s)
-        assert reply["timeline"]["decode_steps"] == 23  # the first token comes from the prefill step
+        assert reply["timeline"]["decode_steps"] == 47  # the first token comes from the prefill step
         stored = http.get(f"/v1/timelines/{reply['id']}").json()
         assert_well_formed(stored, stored=True)
         assert stored["stages"][:-1] == reply["timeline"]["stages"]  # and `send`, once the last byte went
@@ -73,7 +75,7 @@ def test_non_streamed_timeline_has_every_stage_and_adds_up_to_the_client_latency
 
 def test_streamed_chat_timeline_arrives_before_done_and_adds_up_to_the_client_latency(serve_app):
     body = {"model": serve_app.model, "messages": [{"role": "user", "content": "Count to twenty."}],
-            "max_tokens": 24, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": 48, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.Client(base_url=serve_app.base_url, timeout=120) as http:
         http.post("/v1/chat/completions", json={**body, "max_tokens": 2, "stream": False,
                                                 "stream_options": None})
