@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +15,10 @@ import torch
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+NAME = "tokenline_cpu_kernels"
+# A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
+# whose process died, so a lock older than this is taken to be such a leftover and removed.
+STALE_LOCK_S = 600.0
 
 
 def cpu_kernels_available() -> bool:
@@ -28,10 +33,11 @@ def _load() -> bool:
     if os.environ.get("TOKENLINE_DISABLE_CPU_KERNELS") == "1":
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        _remove_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
         here = Path(__file__).parent
-        load(name="tokenline_cpu_kernels", sources=[str(here / "paged_attention_cpu.cpp"),
+        load(name=NAME, sources=[str(here / "paged_attention_cpu.cpp"),
                                                     str(here / "layers_cpu.cpp")], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
              extra_ldflags=["-fopenmp"], verbose=False)
@@ -40,6 +46,16 @@ def _load() -> bool:
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
         log.warning("CPU kernels unavailable, using plain PyTorch attention: %s", exc)
         return False
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
