@@ -73,8 +73,8 @@ class LocalServe:
     def redeploy(self, args: AppArgs, ready_timeout_s: float = 300.0) -> None:
         """Deploys `args` over the running app (same name and route) and waits until it answers.
 
-        Serve gives every `serve.run` a new code version, so each deployment's replicas are replaced (new ones
-        start before the old ones drain).
+        Serve gives every `serve.run` a new code version, so each deployment's replicas are replaced, in a
+        rolling update.
         """
         from ray import serve
 
