@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
 
 import httpx
@@ -18,6 +17,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
+
+from tests.serve_processes import wait_until_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -63,17 +64,6 @@ def assert_openai_error(response, what: str) -> None:
         error = json.loads(response.content)["error"]
         assert set(error) == {"message", "type", "param", "code"}, what
         assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), what
-
-
-def wait_until_idle(serve_app, timeout_s: float) -> list:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = serve_app.engine_replica_stats()
-        if all(s.num_running == 0 and s.num_waiting == 0 and s.num_used_kv_blocks == 0 for s in stats):
-            return stats
-        if time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
 
 
 def test_generated_requests_get_no_5xx_and_openai_shaped_errors(serve_app):

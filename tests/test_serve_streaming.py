@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
+
+from tests.serve_processes import wait_until_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -41,17 +42,6 @@ def test_64_concurrent_streams_complete_with_correct_token_counts(serve_app):
     for completion_tokens, content_chunks, finish, roles in results:
         assert completion_tokens == max_tokens and finish == "length" and roles == 1
         assert 1 <= content_chunks <= max_tokens
-
-
-def wait_until_idle(serve_app, timeout_s: float) -> list:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = serve_app.engine_replica_stats()
-        if all(s.num_running == 0 and s.num_waiting == 0 and s.num_used_kv_blocks == 0 for s in stats):
-            return stats
-        if time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("path,body", [
