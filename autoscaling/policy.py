@@ -34,9 +34,9 @@ class QueueKVConfig:
     __pydantic_config__ = {"extra": "forbid"}  # AppArgs validates this record as its `autoscaling.queue_kv`
 
     # Waiting requests per replica above which it scales up: a queue this long is TTFT the engine cannot hide.
-    waiting_high: float = 3.0
+    waiting_high: float = 2.0
     # ... and below which (with KV usage under kv_low) it may scale down.
-    waiting_low: float = 1.0
+    waiting_low: float = 0.5
     # KV usage above which it scales up: past it, new requests wait for blocks and running ones get preempted.
     kv_high: float = 0.85
     # ... and below which (with the queue under waiting_low) it may scale down.

@@ -4,8 +4,8 @@ The whole trace (about 4,000 requests over 17 minutes) at 8 tokens per hash id, 
 simulated engine replicas timed by the recorded profile (SmolLM2-135M, one CPU each, serve_config.yaml's KV pool),
 with AppArgs' default Serve delays, at most `--max-replicas` replicas for every policy. Serve's default policy
 runs at several `target_ongoing_requests` (2 is Serve's own default), which traces the goodput it buys for each
-replica-second; the queue + KV policy runs with its defaults, and with tighter waiting marks (2 / 0.5) to show
-what more goodput costs. Each policy runs with `--seeds` routing seeds and is reported as their mean.
+replica-second; the queue + KV policy runs with its defaults, and with tighter waiting marks (1.5 / 0.5) to
+show what more goodput costs. Each policy runs with `--seeds` routing seeds and is reported as their mean.
 
 The headline compares at equal goodput: the replica-seconds Serve's policy needs for the goodput ours reached,
 read off its curve (the cheapest target that reaches it, interpolated between neighbours), against ours; and at
@@ -34,7 +34,7 @@ from deployments.autoscaling_config import AutoscalingArgs
 log = logging.getLogger("bench_autoscale")
 
 TARGETS = (2, 4, 6, 8, 12, 16, 24, 32)
-TIGHT = QueueKVConfig(waiting_high=2.0, waiting_low=0.5)
+TIGHT = QueueKVConfig(waiting_high=1.5, waiting_low=0.5)
 
 
 def mean_summary(runs: list[Summary]) -> Summary:
@@ -94,7 +94,7 @@ def main() -> None:
                                    metrics_interval_s=defaults.metrics_interval_s)
     slo = SLO(args.slo_ttft_s, args.slo_itl_s)
     policies = [QueueKVSimPolicy(QueueKVConfig(), name="queue_kv"),
-                QueueKVSimPolicy(TIGHT, name="queue_kv:waiting_high=2,waiting_low=0.5")] + [
+                QueueKVSimPolicy(TIGHT, name="queue_kv:waiting_high=1.5")] + [
         OngoingRequestsPolicy(float(t), name=f"ongoing_requests:{t}") for t in TARGETS]
 
     summaries: list[Summary] = []
