@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `disruptive` (they kill, scale or redeploy the session's app) run last, in file order."""
