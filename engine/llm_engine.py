@@ -40,8 +40,9 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, prepacked=%s",
-                 args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
+        log.info("engine ready: %s, %s on %s, attention backend %s, %d torch threads, %d KV blocks of %d tokens, "
+                 "max context %d tokens, prepacked weights %s", args.architecture, config.dtype, config.device,
+                 self.runner.attention_backend, torch.get_num_threads(), self.runner.num_blocks, config.block_size,
                  self.max_model_len, self.runner.prepacked)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -19,6 +19,7 @@ NAME = "tokenline_cpu_kernels"
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
 STALE_LOCK_S = 600.0
+BUILT_AFTER_S = 5.0  # a load that took longer compiled the kernels (loading a cached build takes well under 1 s)
 
 
 def cpu_kernels_available() -> bool:
@@ -35,12 +36,19 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _remove_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
+        build_dir = Path(_get_build_directory(NAME, verbose=False))
+        _remove_stale_lock(build_dir / "lock")
+        if not any(build_dir.glob("*.so")):
+            log.info("compiling the native CPU kernels: once per machine, about 30 s (cached in %s)", build_dir)
+        start = time.perf_counter()
         here = Path(__file__).parent
         load(name=NAME, sources=[str(here / "paged_attention_cpu.cpp"),
                                                     str(here / "layers_cpu.cpp")], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
              extra_ldflags=["-fopenmp"], verbose=False)
+        elapsed = time.perf_counter() - start
+        if elapsed > BUILT_AFTER_S:
+            log.info("compiled the native CPU kernels in %.0f s; later starts load them from %s", elapsed, build_dir)
         return all(hasattr(torch.ops.tokenline, op) for op in
                    ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
