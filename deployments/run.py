@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("app_args", nargs="*", help="key=value arguments for an import path")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Ctrl-C and SIGTERM interrupt the start, even when started in the background (where the shell leaves SIGINT
+    # ignored, which `serve run` would inherit).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
 
     try:
         apps, config_port = applications(args.target, args.app_args)
@@ -122,9 +126,10 @@ def serve(args: argparse.Namespace, http_port: int) -> int:
 
     # Private arguments: ray.init has no public ones for these (`ray start --node-ip-address` and
     # `--metrics-export-port` are the CLI's); they keep Ray on loopback and its Prometheus export on a known port.
+    # `serve run` below prints the replicas' logs; this driver printing them too would show each line twice.
     ray.init(num_cpus=args.num_cpus, include_dashboard=True, dashboard_host=args.host,
              dashboard_port=args.dashboard_port, _node_ip_address=args.host, _metrics_export_port=args.metrics_port,
-             namespace="serve")
+             namespace="serve", log_to_driver=False)
     # Serve keeps the HTTP options it starts with, so the port checked above is the one it binds.
     ray_serve.start(http_options={"host": args.host, "port": http_port})
     log.info("%s", dashboard_help(f"http://{args.host}:{args.dashboard_port}"))
@@ -132,8 +137,6 @@ def serve(args: argparse.Namespace, http_port: int) -> int:
     serve_cli = Path(sys.executable).with_name("serve")
     command = [str(serve_cli) if serve_cli.exists() else shutil.which("serve") or "serve", "run", "--address",
                ray.get_runtime_context().gcs_address, args.target, *args.app_args]
-    # Its own session: Ctrl-C reaches it once, from here, and not a second time from the terminal mid-shutdown.
-    child = subprocess.Popen(command, start_new_session=True)
     stop_asked: list[float] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -143,6 +146,8 @@ def serve(args: argparse.Namespace, http_port: int) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    # Its own session: Ctrl-C reaches it once, from here, and not a second time from the terminal mid-shutdown.
+    child = subprocess.Popen(command, start_new_session=True)
     base_url = f"http://{args.host}:{http_port}"
     threading.Thread(target=announce_when_ready, args=(base_url, child), daemon=True).start()
     while child.poll() is None:
@@ -168,6 +173,10 @@ def announce_when_ready(base_url: str, child: subprocess.Popen) -> None:
         except OSError:  # not up yet
             pass
         time.sleep(2)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
