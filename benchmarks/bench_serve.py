@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.plot import plot_bars
 from deployments.config import AppArgs, EngineArgs
 from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -284,7 +285,10 @@ def main() -> None:
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(report), indent=2))
-    print(f"wrote {args.out}")
+    png = plot_bars([asdict(r) for r in report.levels], "concurrency", "path",
+                    {"output_tok_s": "output tokens/s", "ttft_p50_s": "TTFT p50 (s)", "itl_p50_s": "ITL p50 (s)"},
+                    args.out.with_suffix(".png"), title="in-process engine against the served app")
+    print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":
