@@ -5,21 +5,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.plot import pyplot, save_figure
+
 
 def plot_bars(rows: Sequence[Mapping[str, Any]], x: str, series: str, metrics: Mapping[str, str], path: Path,
               title: str = "") -> Path:
     """One panel per metric (`metrics`: row field -> axis label); in each, a group of bars per value of `x` and a
     bar per value of `series`, in the rows' order. A row without a metric (or with NaN) has no bar in that panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a window
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys(str(row[x]) for row in rows))
     names = list(dict.fromkeys(str(row[series]) for row in rows))
     width = 0.8 / max(len(names), 1)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics) + 1.5, 4.2), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = pyplot().subplots(1, len(metrics), figsize=(4.2 * len(metrics) + 1.5, 4.2), squeeze=False,
+                                  constrained_layout=True)
     for ax, (metric, label) in zip(axes[0], metrics.items()):
         for i, name in enumerate(names):
             values = {str(row[x]): row.get(metric) for row in rows if str(row[series]) == name}
@@ -32,9 +29,4 @@ def plot_bars(rows: Sequence[Mapping[str, Any]], x: str, series: str, metrics: M
         ax.grid(True, axis="y", alpha=0.3)
     legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncol=min(len(names), 4), fontsize=8)
-    if title:
-        fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
