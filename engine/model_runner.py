@@ -25,7 +25,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device, args.num_heads, args.num_kv_heads,
-                                 args.head_dim, config.block_size)
+                                 args.head_dim, config.block_size, self.dtype)
         self.attention_backend = backend.name
         model = LlamaForCausalLM(args, backend, self.dtype, max_model_len)
         model.load_weights(weights)
@@ -36,9 +36,9 @@ class ModelRunner:
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
         self.num_blocks = self._num_blocks()
-        shape = backend.kv_cache_shape(self.num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        k_shape, v_shape = backend.key_cache_shape(self.num_blocks), backend.kv_cache_shape(self.num_blocks)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.sampler = Sampler()
 
     @property
