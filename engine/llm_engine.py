@@ -41,9 +41,9 @@ class LLMEngine:
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
         log.info("engine ready: %s, %s on %s, attention backend %s, %d torch threads, %d KV blocks of %d tokens, "
-                 "max context %d tokens, prepacked weights %s", args.architecture, config.dtype, config.device,
+                 "max context %d tokens, linears %s", args.architecture, config.dtype, config.device,
                  self.runner.attention_backend, torch.get_num_threads(), self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.prepacked)
+                 self.max_model_len, self.runner.linear_packing or "F.linear")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""

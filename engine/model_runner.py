@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend
 from engine.config import EngineConfig, ModelArgs
-from engine.models.layers import onednn_prepack_available
+from engine.models.layers import select_linear_packing
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -25,22 +25,20 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device, args.num_heads, args.num_kv_heads,
-                                 args.head_dim, config.block_size)
+                                 args.head_dim, config.block_size, self.dtype)
         self.attention_backend = backend.name
         model = LlamaForCausalLM(args, backend, self.dtype, max_model_len)
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if backend.name == "cpu":
             self.model.use_cpu_kernels()
-        self.prepacked = False
-        if config.prepack_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            if onednn_prepack_available():
-                self.model.prepack_linears()
-                self.prepacked = True
+        self.linear_packing = select_linear_packing(self.device, self.dtype, config.prepack_weights)
+        if self.linear_packing:
+            self.model.prepack_linears(self.linear_packing)
         self.num_blocks = self._num_blocks()
-        shape = backend.kv_cache_shape(self.num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        k_shape, v_shape = backend.key_cache_shape(self.num_blocks), backend.kv_cache_shape(self.num_blocks)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.sampler = Sampler()
 
     @property
