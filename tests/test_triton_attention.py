@@ -6,16 +6,12 @@ the same tests run compiled on the GPU.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before engine.triton_attention
-
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on CPU, conftest turns the interpreter on
 pytest.importorskip("triton", reason="Triton is not installed (make install brings it with the dev extra)")
 
 from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, select_backend  # noqa: E402
