@@ -103,6 +103,7 @@ class CudaGraphRunner:
         return self.model(b.input_ids[:bucket], b.positions[:bucket], self.kv_caches,
                           b.metadata(bucket, self.max_model_len))
 
+    @torch.inference_mode()
     def capture(self) -> bool:
         """Captures every bucket; on any failure logs why, drops the graphs and leaves decode steps eager."""
         start = time.perf_counter()

@@ -55,7 +55,8 @@ def test_decode_steps_through_the_padded_buffers_sample_the_eager_tokens(tmp_pat
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 20, 9)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    config = EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_num_seqs=6,
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU, conftest turns Triton's interpreter on
+    config = EngineConfig(model=str(tmp_path), dtype="float32", device=device, num_kv_blocks=32, max_num_seqs=6,
                           attention_backend="triton", enforce_eager=True)
     eager = LLMEngine(config).generate(prompts, params)
     padded = LLMEngine(config)

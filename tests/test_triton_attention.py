@@ -18,6 +18,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, se
 from engine import triton_attention  # noqa: E402
 
 KV_HEADS = 2
+TOL = 2e-5 if DEVICE.type == "cpu" else 1e-4  # fp32 either way; on a GPU exp2 and reduction order differ more
 
 
 @dataclass
@@ -124,7 +125,7 @@ def test_mixed_decodes_and_chunked_prefills_match_the_torch_backend(group, head_
                        prefills=[(0, 23), (block_size + 3, 19), (2 * block_size, 70)])
     expected, k_torch, _ = run("torch", batch, head_dim, block_size)
     got, k_triton, _ = run("triton", batch, head_dim, block_size)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
     # The store wrote every new token where the torch backend did.
     torch.testing.assert_close(k_triton, k_torch.transpose(1, 2))
 
@@ -141,7 +142,7 @@ def test_decode_context_splits_give_the_unsplit_result(num_splits):
     out = torch.empty(4, 8, 64, device=DEVICE)
     triton_attention.paged_decode(out, batch.q.to(DEVICE), k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                   backend.scale, num_splits)
-    torch.testing.assert_close(out.view(4, -1), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.view(4, -1), expected, atol=TOL, rtol=TOL)
 
 
 def test_padded_decode_rows_store_nothing_and_leave_real_rows_unchanged():
