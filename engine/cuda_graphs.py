@@ -78,9 +78,10 @@ class DecodeBuffers:
     def metadata(self, bucket: int, max_seq_len: int) -> AttentionMetadata:
         """The attention metadata of a bucket: views of the static buffers, shapes fixed by the bucket alone."""
         tables, lens = self.block_tables[:bucket], self.seq_lens[:bucket]
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bucket], num_decodes=bucket, decode_block_tables=tables,
-                                 decode_seq_lens=lens, seq_lens=lens, query_start_loc=self.query_start_loc[:bucket + 1],
-                                 block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bucket], num_decodes=bucket,
+                                 decode_block_tables=tables, decode_seq_lens=lens, seq_lens=lens,
+                                 query_start_loc=self.query_start_loc[:bucket + 1], block_tables=tables,
+                                 max_query_len=1, max_seq_len=max_seq_len)
 
 
 class CudaGraphRunner:

@@ -46,6 +46,24 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k,
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, pos, valid, visible, kv_head, d, qk_scale, m, l, acc,
+                 stride_cb, stride_ct, stride_ch, block_size, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over the keys at `pos` (their blocks looked up in `table`); scores in log2 units."""
+    block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    offs = block[:, None] * stride_cb + (pos % block_size)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [rows, TILE]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr,
                          part_lse_ptr, qk_scale, stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, block_size,
@@ -72,19 +90,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     for tile in range(first, last):
         pos = tile * TILE + tl.arange(0, TILE)
         valid = pos < seq_len
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        offs = block[:, None] * stride_cb + (pos % block_size)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, TILE], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, pos, valid, valid[None, :], kv_head, d,
+                                 qk_scale, m, l, acc, stride_cb, stride_ct, stride_ch, block_size, HEAD_DIM, PRECISION)
     has = l > 0  # an empty split (a short context, or a padded row) contributes nothing
     out = acc / tl.where(has, l, 1.0)[:, None]
     lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
@@ -145,19 +152,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     for tile in range(0, tl.cdiv(kv_end, TILE)):
         pos = tile * TILE + tl.arange(0, TILE)
         valid = pos < kv_end
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        offs = block[:, None] * stride_cb + (pos % block_size)[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # key 0 is visible to every row, so m_new is finite
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # key 0 is visible to every row: m stays finite
+        m, l, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, pos, valid, visible, kv_head, d, qk_scale, m, l,
+                                 acc, stride_cb, stride_ct, stride_ch, block_size, HEAD_DIM, PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)

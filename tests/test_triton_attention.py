@@ -53,7 +53,8 @@ def make_batch(seed: int, group: int, head_dim: int, block_size: int, decode_con
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
 
-    return Batch(q=randn(total, heads, head_dim), k=randn(total, KV_HEADS, head_dim), v=randn(total, KV_HEADS, head_dim),
+    return Batch(q=randn(total, heads, head_dim), k=randn(total, KV_HEADS, head_dim),
+                 v=randn(total, KV_HEADS, head_dim),
                  context_k=[randn(c, KV_HEADS, head_dim) for c in contexts],
                  context_v=[randn(c, KV_HEADS, head_dim) for c in contexts],
                  tables=tables, contexts=contexts, query_lens=query_lens, num_decodes=len(decode_contexts))
