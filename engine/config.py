@@ -117,7 +117,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CUDA: decode steps replay CUDA graphs captured per batch bucket; True runs every step eagerly.
     enforce_eager: bool = False
-    # oneDNN-prepacked linear weights on CPU (bf16); falls back to F.linear if the ops are missing.
+    # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     num_threads: int | None = None
     seed: int = 0

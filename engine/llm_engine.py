@@ -48,9 +48,9 @@ class LLMEngine:
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
         log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d KV blocks of %d tokens, "
-                 "max_model_len %d, prepacked=%s", args.architecture, config.dtype, config.device,
+                 "max_model_len %d, linears=%s", args.architecture, config.dtype, config.device,
                  self.runner.attention_backend, self.cuda_graphs, self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.prepacked)
+                 self.max_model_len, self.runner.linear_packing or "F.linear")
 
     @property
     def cuda_graphs(self) -> bool:

@@ -9,7 +9,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, select_backend
 from engine.config import EngineConfig, ModelArgs
 from engine.cuda_graphs import CudaGraphRunner
 from engine.host_copies import to_device
-from engine.models.layers import onednn_prepack_available
+from engine.models.layers import select_linear_packing
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, sampled_to_host
@@ -36,11 +36,9 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if backend.name == "cpu":
             self.model.use_cpu_kernels()
-        self.prepacked = False
-        if config.prepack_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            if onednn_prepack_available():
-                self.model.prepack_linears()
-                self.prepacked = True
+        self.linear_packing = select_linear_packing(self.device, self.dtype, config.prepack_weights)
+        if self.linear_packing:
+            self.model.prepack_linears(self.linear_packing)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         self.num_blocks = self._num_blocks()
