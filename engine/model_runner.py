@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +16,15 @@ from engine.sampler import Sampler, SamplingBatch, gather_logprobs
 from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """Seconds the last execute() spent in each part."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
@@ -40,6 +51,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.sampler = Sampler()
+        self.times = StepTimes()
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -54,9 +66,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Runs the batch; returns the sampled token (and logprobs) of each request that samples."""
+        t0 = time.perf_counter()
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, sample_rows = self._prepare(ordered)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        t2 = time.perf_counter()
+        self.times = StepTimes(t1 - t0, t2 - t1)
         if not sample_rows:
             return {}
         requests = [s.request for s, _ in sample_rows]
@@ -70,6 +86,7 @@ class ModelRunner:
                                   [requests[i].sampling_params.logprobs for i in rows])
             for i, lp in zip(rows, lps):
                 results[requests[i].request_id] = (tokens[i], lp)
+        self.times.sample_s = time.perf_counter() - t2
         return results
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
