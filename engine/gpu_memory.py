@@ -50,12 +50,13 @@ def profile_kv_cache_bytes(runner, max_model_len: int) -> int:
     scheduled = profile_step_requests(config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
                                       runner.block_size, runner.args.vocab_size)
     scratch_blocks = sum(len(s.request.block_ids) for s in scheduled)
-    shape = runner.backend.kv_cache_shape(scratch_blocks)
+    k_shape, v_shape = runner.backend.key_cache_shape(scratch_blocks), runner.backend.kv_cache_shape(scratch_blocks)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    runner.kv_caches = [(torch.zeros(shape, dtype=runner.dtype, device=device),
-                         torch.zeros(shape, dtype=runner.dtype, device=device)) for _ in range(runner.args.num_layers)]
+    runner.kv_caches = [(torch.zeros(k_shape, dtype=runner.dtype, device=device),
+                         torch.zeros(v_shape, dtype=runner.dtype, device=device))
+                        for _ in range(runner.args.num_layers)]
     try:
         runner.execute(scheduled)
         torch.cuda.synchronize(device)

@@ -103,6 +103,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        schedule_s = time.perf_counter() - t0
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
         outputs: list[EngineOutput] = []
@@ -148,7 +149,9 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
             num_prefill_requests=prefill_reqs, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished))
+            prefix_cache_hits=prefix.hits, num_finished=finished, schedule_s=schedule_s,
+            prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
+            sample_s=self.runner.times.sample_s))
         return outputs
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +20,15 @@ from engine.scheduler import ScheduledRequest
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StepTimes:
+    """Seconds the last execute() spent in each part."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, args: ModelArgs, weights: dict[str, torch.Tensor],
                  max_model_len: int) -> None:
@@ -27,7 +38,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device, args.num_heads, args.num_kv_heads,
-                                 args.head_dim, config.block_size)
+                                 args.head_dim, config.block_size, self.dtype)
         self.backend, self.attention_backend = backend, backend.name
         self.max_model_len = max_model_len
         with torch.device(self.device):  # parameters born on the GPU: no host copy of a large model
@@ -40,11 +51,12 @@ class ModelRunner:
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
         self.sampler = Sampler()
+        self.times = StepTimes()
         self.graph_runner: CudaGraphRunner | None = None
         self.num_blocks = self._num_blocks()
-        shape = backend.kv_cache_shape(self.num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        k_shape, v_shape = backend.key_cache_shape(self.num_blocks), backend.kv_cache_shape(self.num_blocks)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.graph_runner = self._capture_graphs()
 
     @property
@@ -76,16 +88,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Runs the batch; returns the sampled token (and logprobs) of each request that samples."""
+        t0 = time.perf_counter()
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, sample_rows = self._prepare(ordered)
         requests = [s.request for s, _ in sample_rows]
         # Built while the GPU runs nothing yet: its host-to-device copies then wait for no kernel.
         batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device) if requests else None
+        t1 = time.perf_counter()
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):
             hidden = graphs.forward(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        t2 = time.perf_counter()
+        self.times = StepTimes(t1 - t0, t2 - t1)
         if batch is None:
             return {}
         logits = self.model.compute_logits(hidden[to_device(torch.tensor([i for _, i in sample_rows]), self.device)])
@@ -95,6 +111,7 @@ class ModelRunner:
         results: dict[str, tuple[int, TokenLogprobs | None]] = {r.request_id: (t, None) for r, t in zip(requests, tokens)}
         for i, lp in zip(rows, lps):
             results[requests[i].request_id] = (tokens[i], lp)
+        self.times.sample_s = time.perf_counter() - t2
         return results
 
     def kv_blocks_needed(self, num_tokens: int) -> int:

@@ -75,6 +75,11 @@ def native_linear_available() -> bool:
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
 
 
+def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the bf16 decode kernel can read keys in the packed layout (CpuAttention) on this CPU."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_keys_supported(block_size, head_dim, group))
+
+
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
     torch.ops.tokenline.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
