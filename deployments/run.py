@@ -3,8 +3,9 @@
     python -m deployments.run serve_config.yaml
     python -m deployments.run deployments.app:build_app num_engine_replicas=1
 
-Before Ray starts: every port it would take is free, and each application builds (its builder checks the model
-path), so a mistake ends the command at once with what to change. `serve run` alone would start Ray with a random
+Where it finds NVIDIA GPUs it lays out one engine replica per GPU (deployments/node_layout.py). Before Ray starts:
+every port it would take is free, and each application builds (its builder checks the model path), so a mistake
+ends the command at once with what to change. `serve run` alone would start Ray with a random
 metrics port; starting Ray here first pins every port. Ctrl-C or SIGTERM reaches `serve run`, which shuts Serve
 down; then this process's Ray stops with it.
 """
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus export port")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may hand out (default: all)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs for engine replicas, one replica each (default: those found; 0: the CPU layout)")
     parser.add_argument("target", help="a Serve config YAML or an import path such as deployments.app:build_app")
     parser.add_argument("app_args", nargs="*", help="key=value arguments for an import path")
     args = parser.parse_args(argv)
@@ -100,8 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
 
+    workdir = Path(tempfile.mkdtemp(prefix="tokenline-serve-"))
     try:
-        apps, config_port = applications(args.target, args.app_args)
+        return check_then_serve(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def check_then_serve(args: argparse.Namespace, workdir: Path) -> int:
+    """Lays the engine replicas out on this node, checks the ports and the app, then serves."""
+    from deployments.node_layout import detect_gpus, layout_target
+
+    try:
+        num_gpus = detect_gpus() if args.gpus is None else args.gpus
+        target, app_args, layout = layout_target(args.target, args.app_args, num_gpus, workdir)
+        log.info("engine layout: %s", layout)
+        apps, config_port = applications(target, app_args)
         http_port = args.http_port or config_port
         ports = [Port(http_port, "the OpenAI API", "--http-port", "HTTP_PORT"),
                  Port(args.dashboard_port, "Ray's dashboard", "--dashboard-port", "DASHBOARD_PORT"),
@@ -111,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"port {p.number} on {args.host} ({p.what}) is already in use: stop what listens there, or choose "
                 f"another with {p.flag} (make serve {p.make_var}=...)" for p in busy))
         log.info("checking the application before Ray starts (the model path)")
-        for import_path, app_args in apps:
-            check_builds(import_path, app_args)
+        for import_path, builder_args in apps:
+            check_builds(import_path, builder_args)
     except (OSError, ValueError, ImportError) as exc:
         raise SystemExit(f"cannot serve {args.target}: {exc}") from None
-    return serve(args, http_port)
+    return serve(args, target, app_args, http_port)
 
 
-def serve(args: argparse.Namespace, http_port: int) -> int:
+def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port: int) -> int:
     import ray
     from ray import serve as ray_serve
 
@@ -136,7 +154,7 @@ def serve(args: argparse.Namespace, http_port: int) -> int:
     log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     serve_cli = Path(sys.executable).with_name("serve")
     command = [str(serve_cli) if serve_cli.exists() else shutil.which("serve") or "serve", "run", "--address",
-               ray.get_runtime_context().gcs_address, args.target, *args.app_args]
+               ray.get_runtime_context().gcs_address, target, *app_args]
     stop_asked: list[float] = []
 
     def stop(signum: int, frame: object) -> None:
