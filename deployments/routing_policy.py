@@ -3,7 +3,7 @@
 Each candidate scores ``prefix_weight * cached share of the prompt + queue_weight * (1 - wait / (max wait + 1 s))
 + kv_weight * (1 - KV usage)`` (llm-d's three scorers). The wait is the replica's predicted wait in seconds: the
 backlog it last reported (engine.backlog), plus the requests sent to it since, each at that backlog's cost per
-request. So among replicas holding as much of the prompt, the one that would start it soonest wins. While some
+request (a second each on a replica that reported none). So among replicas holding as much of the prompt, the one that would start it soonest wins. While some
 replica has no estimate yet, requests stand in for seconds: ``1 - load / (max load + 1)``, load being ongoing
 requests. The load guard comes first: when loads are too uneven (SGLang's absolute and relative thresholds) the
 least-loaded replica wins whatever it caches.
@@ -82,6 +82,10 @@ class PromptProbes:
         return longest_cached_prefix(digest, self._positions[num_bits])
 
 
+# A request sent to a replica that reported none in flight: counted as this much work until its next report.
+UNKNOWN_REQUEST_S = 1.0
+
+
 def make_candidate(replica: str, report: ReplicaReport | None, live_load: int | None, probes: PromptProbes,
                    remembered_blocks: int, now: float, settings: RouterSettings) -> Candidate:
     """A stale or missing report says nothing about the cache or KV usage; load then comes from Serve alone."""
@@ -99,7 +103,7 @@ def make_candidate(replica: str, report: ReplicaReport | None, live_load: int | 
     wait_s = None
     if fresh and report.backlog_s is not None:
         # Requests sent since the report add what each of the reported ones costs on average.
-        per_request_s = report.backlog_s / reported_load if reported_load else 0.0
+        per_request_s = report.backlog_s / reported_load if reported_load else UNKNOWN_REQUEST_S
         wait_s = report.backlog_s + max(load - reported_load, 0.0) * per_request_s
     return Candidate(replica, load, report.kv_usage if fresh else 0.0, max(reported_blocks, remembered_blocks),
                      wait_s)

@@ -111,6 +111,10 @@ def test_among_replicas_holding_the_prefix_the_least_predicted_wait_wins():
     even = {"a": routing_stats([request], num_running=4, backlog_s=4.0),
             "b": routing_stats([request], num_running=4, backlog_s=4.0)}
     assert decide(request, even, {"a": 8, "b": 5}).order[0] == "b"
+    # A burst onto idle replicas spreads: each request sent since the reports counts, whatever the KV usage says.
+    idle = {"a": routing_stats([], kv_usage=0.0, backlog_s=0.0), "b": routing_stats([], kv_usage=0.05, backlog_s=0.0)}
+    assert decide(request, idle, {"a": 1, "b": 0}).order[0] == "b"
+    assert decide(request, idle, {"a": 1, "b": 1}).order[0] == "a"
     # A replica with no estimate yet: requests stand in for seconds for every replica.
     unknown = {"slow": routing_stats([request], num_running=2, backlog_s=30.0),
                "new": routing_stats([request], num_running=3)}
