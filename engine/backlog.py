@@ -3,14 +3,19 @@
 The work still owed is counted in tokens: prompt tokens not computed yet, and the output tokens its requests are
 expected to still produce (each request's `max_tokens`, capped by the running average of real output lengths
 unless it ignores EOS). Its time comes from a model of this engine's steps, fitted to the steps it ran:
-`step seconds = overhead + per_token × tokens` (least squares, recent steps weighing most). A step's fixed
+`step seconds = overhead + per_prefill_token × prefill tokens + per_decode_token × decoding requests`
+(non-negative least squares, recent steps weighing most). A decode token costs more than a prompt token (a
+matrix-vector row and a pass over its whole context, against a row of a matrix product), and a step's fixed
 overhead is why throughput grows with the batch: draining N decode tokens takes N / batch steps, each paying it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -88,43 +93,58 @@ class OutputLengths:
 
 
 class StepCostModel:
-    """Seconds per step as `overhead + per_token × tokens`, by exponentially forgetting least squares."""
+    """Seconds per step as `overhead + per_prefill_token × prefill + per_decode_token × decodes`, fitted by
+    exponentially forgetting least squares with every coefficient kept non-negative."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._xx = np.zeros((3, 3))  # decayed sums of x xᵀ, x = (1, prefill tokens, decode tokens)
+        self._xy = np.zeros(3)
+        self._yy = 0.0
+        self._fit: tuple[float, float, float] | None = None
         self.num_steps = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = STEP_DECAY
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + num_tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + num_tokens * num_tokens
-        self._xy = d * self._xy + num_tokens * seconds
+    def observe(self, num_prefill_tokens: int, num_decode_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, num_prefill_tokens, num_decode_tokens])
+        self._xx = STEP_DECAY * self._xx + np.outer(x, x)
+        self._xy = STEP_DECAY * self._xy + x * seconds
+        self._yy = STEP_DECAY * self._yy + seconds * seconds
         self.num_steps += 1
+        self._fit = None
 
     @property
     def ready(self) -> bool:
-        return self.num_steps >= MIN_STEPS and self._x > 0
+        return self.num_steps >= MIN_STEPS and self._xx[0, 1] + self._xx[0, 2] > 0
 
-    def coefficients(self) -> tuple[float, float]:
-        """(overhead s, seconds per token); a pure rate (no overhead) when the steps seen do not separate them."""
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x > (0.1 * mean_x) ** 2:
-            per_token = (self._xy / self._w - mean_x * mean_y) / var_x
-            overhead = mean_y - per_token * mean_x
-            if per_token > 0 and overhead >= 0:
-                return overhead, per_token
-        return 0.0, mean_y / mean_x
+    def coefficients(self) -> tuple[float, float, float]:
+        """(overhead s, s per prefill token, s per decode token): the best non-negative fit over every subset of
+        the terms (a term the steps seen cannot separate from another drops out)."""
+        if self._fit is None:
+            best, best_error = (0.0, 0.0, 0.0), math.inf
+            for size in (3, 2, 1):
+                for terms in itertools.combinations(range(3), size):
+                    idx = list(terms)
+                    a = self._xx[np.ix_(idx, idx)] + 1e-12 * np.eye(size) * (1.0 + np.trace(self._xx))
+                    try:
+                        theta = np.linalg.solve(a, self._xy[idx])
+                    except np.linalg.LinAlgError:
+                        continue
+                    if (theta < 0).any():
+                        continue
+                    full = np.zeros(3)
+                    full[idx] = theta
+                    error = self._yy - 2 * full @ self._xy + full @ self._xx @ full
+                    if error < best_error - 1e-15:
+                        best, best_error = tuple(float(v) for v in full), error
+            self._fit = best
+        return self._fit
 
     def seconds(self, work: Work, max_num_seqs: int, max_num_batched_tokens: int, kv_tokens: int) -> float:
         """Time to drain `work`: its decode steps at the batch the engine can hold, its prefill in full steps."""
         if work.num_requests == 0:
             return 0.0
-        overhead, per_token = self.coefficients()
+        overhead, per_prefill, per_decode = self.coefficients()
         per_request = work.context_tokens / work.num_requests
         batch = max(1.0, min(max_num_seqs, work.num_requests, kv_tokens / max(per_request, 1.0)))
         steps = max(work.longest_decode, work.decode_tokens / batch,
                     math.ceil(work.prefill_tokens / max_num_batched_tokens))
-        return overhead * steps + per_token * (work.prefill_tokens + work.decode_tokens)
+        return overhead * steps + per_prefill * work.prefill_tokens + per_decode * work.decode_tokens

@@ -156,7 +156,7 @@ class LLMEngine:
         prefix = self.kv.stats.reset()
         self._prefix_queries += prefix.queries
         self._prefix_hits += prefix.hits
-        self.step_costs.observe(prefill_tokens + decode_tokens, duration_s)
+        self.step_costs.observe(prefill_tokens, decode_tokens, duration_s)
         self._refresh_backlog()
         self.step_history.append(SchedulerStats(
             step=self._num_steps, time=start, duration_s=duration_s,

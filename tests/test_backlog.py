@@ -10,35 +10,41 @@ from engine.backlog import MIN_STEPS, OutputLengths, StepCostModel, Work
 from tests.tiny_models import write_tiny_model
 
 
-def test_step_cost_fit_separates_overhead_from_per_token_cost():
+def test_step_cost_fit_separates_overhead_prompt_tokens_and_decodes():
     model = StepCostModel()
     rng = random.Random(0)
     for _ in range(400):
-        tokens = rng.choice([1, 4, 16, 64, 300])
-        model.observe(tokens, 0.020 + 0.001 * tokens + rng.uniform(-0.0005, 0.0005))
-    overhead, per_token = model.coefficients()
-    assert overhead == pytest.approx(0.020, rel=0.1) and per_token == pytest.approx(0.001, rel=0.05)
+        prefill, decodes = rng.choice([0, 0, 16, 300, 2000]), rng.randrange(1, 64)
+        model.observe(prefill, decodes, 0.020 + 0.0005 * prefill + 0.004 * decodes + rng.uniform(-0.001, 0.001))
+    overhead, per_prefill, per_decode = model.coefficients()
+    assert overhead == pytest.approx(0.020, rel=0.1)
+    assert per_prefill == pytest.approx(0.0005, rel=0.05) and per_decode == pytest.approx(0.004, rel=0.05)
 
 
-def test_steps_all_alike_give_a_plain_rate():
+def test_a_term_the_steps_cannot_separate_drops_out_and_nothing_is_negative():
     model = StepCostModel()
     for _ in range(MIN_STEPS - 1):
-        model.observe(32, 0.064)
+        model.observe(0, 32, 0.064)  # always the same batch: overhead and per-decode cost are one number
     assert not model.ready
-    model.observe(32, 0.064)
-    assert model.ready and model.coefficients() == pytest.approx((0.0, 0.002))
+    model.observe(0, 32, 0.064)
+    overhead, per_prefill, per_decode = model.coefficients()
+    assert model.ready and min(overhead, per_prefill, per_decode) >= 0
+    assert overhead + 32 * per_decode == pytest.approx(0.064)  # what the steps show is still predicted
 
 
 def test_draining_decodes_pays_one_overhead_per_step_of_the_batch_the_engine_holds():
     model = StepCostModel()
-    for tokens in [1, 10, 100] * 20:
-        model.observe(tokens, 0.010 + 0.001 * tokens)
+    for prefill, decodes in [(0, 1), (0, 10), (100, 10), (0, 100)] * 20:
+        model.observe(prefill, decodes, 0.010 + 0.0002 * prefill + 0.001 * decodes)
     # 40 requests with 50 tokens left each: 4 at once (max_num_seqs) is 500 steps; 40 at once would be 50.
     work = sum((Work(0, 50, 50, 1, 100) for _ in range(40)), Work())
     assert model.seconds(work, 4, 2048, 10**6) == pytest.approx(500 * 0.010 + 2000 * 0.001, rel=0.02)
     assert model.seconds(work, 64, 2048, 10**6) == pytest.approx(50 * 0.010 + 2000 * 0.001, rel=0.02)
     # ... unless the KV pool holds fewer: 1,000 tokens of KV fit 10 of these requests.
     assert model.seconds(work, 64, 2048, 1000) == pytest.approx(200 * 0.010 + 2000 * 0.001, rel=0.02)
+    # Prompt tokens cost their own rate.
+    assert model.seconds(Work(1000, 1, 1, 1, 1001), 64, 2048, 10**6) == pytest.approx(
+        1 * 0.010 + 1000 * 0.0002 + 0.001, rel=0.02)
     assert model.seconds(Work(), 64, 2048, 1000) == 0.0
 
 
