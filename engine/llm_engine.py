@@ -54,9 +54,9 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, prepacked=%s",
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, linears=%s",
                  args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.prepacked)
+                 self.max_model_len, self.runner.linear_packing or "F.linear")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
@@ -102,6 +102,7 @@ class LLMEngine:
         if sched.is_empty:
             self._refresh_backlog()
             return outputs
+        schedule_s = time.perf_counter() - t0
         # KV is computed up to here for each request; a failed step leaves nothing valid past it.
         computed = {s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
         decodes = [s.is_decode for s in sched.scheduled]
@@ -111,7 +112,7 @@ class LLMEngine:
             sampled_outputs = self._advance(sched, sampled)
         except Exception as exc:
             return outputs + self._fail_batch(sched, computed, exc, "running")
-        self._record_step(sched, decodes, start, time.perf_counter() - t0, len(sampled_outputs))
+        self._record_step(sched, decodes, start, time.perf_counter() - t0, schedule_s, len(sampled_outputs))
         return outputs + sampled_outputs
 
     def _advance(self, sched: SchedulerOutput, sampled: dict) -> list[EngineOutput]:
@@ -146,7 +147,7 @@ class LLMEngine:
         return outputs
 
     def _record_step(self, sched: SchedulerOutput, decodes: list[bool], start: float, duration_s: float,
-                     num_sampled: int) -> None:
+                     schedule_s: float, num_sampled: int) -> None:
         decode_tokens = sum(decodes)
         prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
         finished = sum(1 for s in sched.scheduled if s.request.is_finished)
@@ -164,7 +165,9 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
             num_prefill_requests=len(decodes) - decode_tokens, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired)))
+            prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired), schedule_s=schedule_s,
+            prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
+            sample_s=self.runner.times.sample_s))
 
     def _fail_batch(self, sched: SchedulerOutput, computed: dict[str, int], exc: Exception,
                     stage: str) -> list[EngineOutput]:
