@@ -4,9 +4,11 @@ A caller that goes away cancels `generate`; the cancellation runs through the en
 request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
 the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages.
 
-Admission: a request is refused at once (503, Retry-After = this replica's backlog) when the backlog plus its own
-prefill would pass ADMIT_WAIT_FRACTION of the time left before its deadline; while the engine cannot estimate
-its backlog yet, the count bound (`engine.max_num_waiting`) alone decides. A request that fails inside the engine
+Admission: a request is refused at once (503, Retry-After = this replica's backlog: the wait before it could
+start) when, behind what the replica holds, it would finish past ADMIT_WAIT_FRACTION of the time left before its
+deadline, and alone it would not (waiting cannot help a request that is longer than its deadline: it runs, and
+the deadline cuts it). While the engine cannot estimate yet, the count bound (`engine.max_num_waiting`) alone
+decides. A request that fails inside the engine
 gets a RequestRejected saying how; if the engine itself dies, this process exits so Serve replaces it at once.
 """
 from __future__ import annotations
@@ -31,7 +33,6 @@ from deployments.limits import ADMIT_WAIT_FRACTION
 from deployments.records import (EngineRequest, EngineTimeline, GenerationChunk, ModelInfo, ProfileResult,
                                  ReplicaStats, ReplicaSteps, RequestRejected)
 from engine import AsyncEngine, EngineOutput, InvalidRequestError
-from engine.backlog import Work
 from engine.failures import FailureKind, RequestFailure
 from engine.outputs import SchedulerStats
 from engine.profiler import StepProfiler, write_chrome_trace
@@ -103,16 +104,16 @@ class EngineReplica:
         if request.deadline is None:
             return None
         backlog_s = self.engine.predicted_wait_s()
-        if backlog_s is None:
+        estimate = self.engine.predicted_finish_s(len(request.prompt_token_ids), request.sampling, request.n)
+        if backlog_s is None or estimate is None:
             return None  # no estimate yet: the count bound above decides alone
-        prefill = request.n * len(request.prompt_token_ids)
-        wait_s = self.engine.predicted_wait_s(Work(prefill, num_requests=request.n, context_tokens=prefill))
-        time_left_s = request.deadline - time.time()
-        if wait_s <= ADMIT_WAIT_FRACTION * time_left_s:
+        finish_s, alone_s = estimate
+        limit_s = ADMIT_WAIT_FRACTION * (request.deadline - time.time())
+        if finish_s <= limit_s or alone_s > limit_s:
             return None
-        return RequestRejected(f"this engine replica is {backlog_s:.1f}s behind: with this request's own prefill "
-                               f"it could not start within {ADMIT_WAIT_FRACTION:.0%} of the {max(time_left_s, 0):.1f}s "
-                               f"left before its deadline; retry later", code="server_overloaded", status=503,
+        return RequestRejected(f"this engine replica is {backlog_s:.1f}s behind: this request would finish in about "
+                               f"{finish_s:.0f}s, past {ADMIT_WAIT_FRACTION:.0%} of the time left before its deadline; "
+                               f"retry later", code="server_overloaded", status=503,
                                retry_after_s=max(backlog_s, self.retry_after_s))
 
     async def _choice(self, request: EngineRequest, index: int, entered: float) -> AsyncIterator[GenerationChunk]:

@@ -2,11 +2,12 @@
 
 Each candidate scores ``prefix_weight * cached share of the prompt + queue_weight * (1 - wait / (max wait + 1 s))
 + kv_weight * (1 - KV usage)`` (llm-d's three scorers). The wait is the replica's predicted wait in seconds: the
-backlog it last reported (engine.backlog), plus the requests sent to it since, each at that backlog's cost per
-request (a second each on a replica that reported none). So among replicas holding as much of the prompt, the one that would start it soonest wins. While some
-replica has no estimate yet, requests stand in for seconds: ``1 - load / (max load + 1)``, load being ongoing
-requests. The load guard comes first: when loads are too uneven (SGLang's absolute and relative thresholds) the
-least-loaded replica wins whatever it caches.
+backlog it last reported (engine.backlog: how long before a new request could start there), plus the requests
+sent to it since, each at that backlog's cost per request (a second each on a replica that reported none). So
+among replicas holding as much of the prompt, the one that would start it soonest wins. While no replica is a
+second behind (every one can start a request now), or some replica has no estimate yet, requests stand in for
+seconds: ``1 - load / (max load + 1)``, load being ongoing requests. The load guard comes first: when loads are
+too uneven (SGLang's absolute and relative thresholds) the least-loaded replica wins whatever it caches.
 """
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ WAIT_SCALE_S = 1.0  # waits well under a second apart count as about equal
 
 
 def queue_terms(candidates: list[Candidate]) -> dict[str, float]:
-    """Each replica's queue term in [0, 1]: by predicted wait when every replica has one, else by load."""
-    if all(c.wait_s is not None for c in candidates):
+    """Each replica's queue term in [0, 1]: by predicted wait when every replica has one and some replica is
+    behind by a second or more; else (all can start a request now, or some cannot say) by load."""
+    if all(c.wait_s is not None for c in candidates) and max(c.wait_s for c in candidates) >= WAIT_SCALE_S:
         max_wait = max(c.wait_s for c in candidates)
         return {c.replica: 1.0 - c.wait_s / (max_wait + WAIT_SCALE_S) for c in candidates}
     max_load = max(c.load for c in candidates)

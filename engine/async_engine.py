@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backlog import Work
+from engine.backlog import Job
 from engine.config import EngineConfig
 from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
 from engine.llm_engine import LLMEngine
@@ -90,7 +90,7 @@ class AsyncEngine:
         self._on_death = on_death
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending_work: dict[str, Work] = {}  # accepted, not yet in the scheduler's queues
+        self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -118,12 +118,21 @@ class AsyncEngine:
         limit = self.engine.config.max_num_waiting
         return limit is None or self.num_waiting + num_requests <= limit
 
-    def predicted_wait_s(self, extra: Work = Work()) -> float | None:
-        """Seconds this engine needs to drain what it holds, what it accepted and has not queued yet, and `extra`;
-        None while it cannot estimate (engine.backlog)."""
+    def predicted_wait_s(self) -> float | None:
+        """Seconds until a request accepted now could start, after what this engine holds and what it accepted
+        and has not queued yet; None while it cannot estimate (engine.backlog)."""
         with self._lock:
-            pending = sum(self._pending_work.values(), Work())
-        return self.engine.predicted_wait_s(pending + extra)
+            pending = list(self._pending.values())
+        return self.engine.predicted_wait_s(pending)
+
+    def predicted_finish_s(self, num_prompt_tokens: int, params: SamplingParams,
+                           n: int = 1) -> tuple[float, float] | None:
+        """(seconds until n choices of this request, accepted now, would finish; seconds they take on an idle
+        engine), or None while there is no estimate."""
+        jobs = [self.engine.output_lengths.job_of_new(num_prompt_tokens, params)] * n
+        with self._lock:
+            pending = list(self._pending.values())
+        return self.engine.predicted_finish_s(jobs, pending)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        arrival_time: float | None = None,
@@ -142,7 +151,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-            self._pending_work[request_id] = self.engine.output_lengths.work_of_new(len(prompt_token_ids), params)
+            self._pending[request_id] = self.engine.output_lengths.job_of_new(len(prompt_token_ids), params)
         self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline))
         finished = False
         try:
@@ -161,7 +170,7 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-                self._pending_work.pop(request_id, None)
+                self._pending.pop(request_id, None)
             if not finished:
                 self._send(_Abort(request_id))
 
@@ -232,7 +241,7 @@ class AsyncEngine:
                 continue
             with self._lock:
                 alive = message.request_id in self._streams
-                self._pending_work.pop(message.request_id, None)
+                self._pending.pop(message.request_id, None)
             if not alive:
                 continue  # its consumer left before the step loop saw it
             try:

@@ -1,15 +1,21 @@
 """An engine's backlog in seconds, from its own step history: what admission and routing compare with a deadline.
 
-The work still owed is counted in tokens: prompt tokens not computed yet, and the output tokens its requests are
-expected to still produce (each request's `max_tokens`, capped by the running average of real output lengths
-unless it ignores EOS). Its time comes from a model of this engine's steps, fitted to the steps it ran:
-`step seconds = overhead + per_prefill_token × prefill tokens + per_decode_token × decoding requests`
-(non-negative least squares, recent steps weighing most). A decode token costs more than a prompt token (a
-matrix-vector row and a pass over its whole context, against a row of a matrix product), and a step's fixed
-overhead is why throughput grows with the batch: draining N decode tokens takes N / batch steps, each paying it.
+An engine runs at most `max_num_seqs` requests at once (fewer when the KV pool cannot hold that many), so its
+queues are slots and turns: each running request holds a slot for the output tokens it is still expected to
+produce (one step each), and each waiting one takes, in order, the first slot to come free. Expected output is a
+request's `max_tokens`, capped by the running average of real output lengths unless it ignores EOS. Placing
+every queued request gives, in steps, when a new request could start and when it would finish.
+
+A step's time comes from a model fitted to this engine's own steps: `overhead + per_prefill_token × prefill
+tokens + per_decode_token × decoding requests` (non-negative least squares, recent steps weighing most). A
+decode costs more than a prompt token (a matrix-vector row and a pass over its whole context), and the overhead
+is why a full batch drains more tokens per second. Future steps are priced at the batch the queues will fill and
+at the prompt tokens per step this engine has been prefilling lately: requests that arrive after this one share
+its steps too.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Iterable
@@ -27,19 +33,12 @@ LENGTH_DECAY = 0.95  # weight of the running average of output lengths on its pa
 
 
 @dataclass(frozen=True)
-class Work:
-    """Tokens an engine owes, and how they are shaped into steps."""
+class Job:
+    """What one request still asks of a slot: steps (one per output token still expected) and prompt tokens."""
 
-    prefill_tokens: int = 0
-    decode_tokens: float = 0.0
-    longest_decode: float = 0.0  # decode steps the longest request alone still needs
-    num_requests: int = 0
-    context_tokens: float = 0.0  # KV footprint the requests reach: bounds how many run at once
-
-    def __add__(self, other: "Work") -> "Work":
-        return Work(self.prefill_tokens + other.prefill_tokens, self.decode_tokens + other.decode_tokens,
-                    max(self.longest_decode, other.longest_decode), self.num_requests + other.num_requests,
-                    self.context_tokens + other.context_tokens)
+    steps: float
+    prefill_tokens: int
+    context_tokens: float  # the KV it reaches: how many such requests the pool holds at once
 
 
 class OutputLengths:
@@ -60,36 +59,71 @@ class OutputLengths:
             return params.max_tokens
         return min(params.max_tokens, max(self.mean, params.min_tokens))
 
-    def work_of(self, request: Request) -> Work:
-        if request.is_finished:
-            return Work()
-        return self._work(request.num_tokens, request.num_computed_tokens, request.num_output_tokens,
-                          request.sampling_params)
+    def job_of(self, request: Request) -> Job:
+        return self._job(request.num_tokens, request.num_computed_tokens, request.num_output_tokens,
+                         request.sampling_params)
 
-    def work_of_new(self, num_prompt_tokens: int, params: SamplingParams) -> Work:
+    def job_of_new(self, num_prompt_tokens: int, params: SamplingParams) -> Job:
         """A request not queued yet."""
-        return self._work(num_prompt_tokens, 0, 0, params)
+        return self._job(num_prompt_tokens, 0, 0, params)
 
-    def _work(self, num_tokens: int, num_computed: int, produced: int, params: SamplingParams) -> Work:
+    def _job(self, num_tokens: int, num_computed: int, produced: int, params: SamplingParams) -> Job:
         left = min(max(self.expected(params) - produced, 1.0), params.max_tokens - produced)
-        # Every token but the last is prefill (a preempted request recomputes its output too); each output token
-        # after that costs one decode step, and the prefill step yields the first one.
-        prefill = max(num_tokens - num_computed - 1, 0)
-        return Work(prefill, left, left, 1, num_tokens + left)
+        # Every token but the last is prefill (a preempted request recomputes its output too); the prefill step
+        # yields the first output token, each later one costs a step.
+        return Job(left, max(num_tokens - num_computed - 1, 0), num_tokens + left)
 
-    def work(self, requests: Iterable[Request]) -> Work:
-        """The sum of `work_of`, without a record per request: it runs after every step."""
-        prefill, decode, longest, count, context = 0, 0.0, 0.0, 0, 0.0
-        for request in requests:
-            if request.is_finished:
-                continue
-            one = self.work_of(request)
-            prefill += one.prefill_tokens
-            decode += one.decode_tokens
-            longest = max(longest, one.longest_decode)
-            count += 1
-            context += one.context_tokens
-        return Work(prefill, decode, longest, count, context)
+
+@dataclass(frozen=True)
+class Backlog:
+    """The queues as slot turns: `free_at` holds, per slot, the step at which it comes free once every queued
+    request has been placed (a heap); a new request starts at the earliest."""
+
+    free_at: tuple[float, ...] = (0.0,)
+    num_requests: int = 0
+    prefill_tokens: int = 0
+    context_tokens: float = 0.0
+
+    @classmethod
+    def of(cls, running: Iterable[Job], waiting: Iterable[Job], max_num_seqs: int, kv_tokens: int) -> "Backlog":
+        running, waiting = list(running), list(waiting)
+        jobs = running + waiting
+        context = sum(j.context_tokens for j in jobs)
+        slots = max_num_seqs
+        if jobs:
+            slots = max(1, min(max_num_seqs, int(kv_tokens // max(context / len(jobs), 1.0))), len(running))
+        free_at = [j.steps for j in running] + [0.0] * (slots - len(running))
+        heapq.heapify(free_at)
+        return cls(tuple(free_at), len(running), sum(j.prefill_tokens for j in running), 0.0).plus(waiting, context)
+
+    def plus(self, jobs: Iterable[Job], context: float | None = None) -> "Backlog":
+        """This backlog with `jobs` queued after it, each taking the first slot to come free."""
+        return self.place(jobs, context)[0]
+
+    def place(self, jobs: Iterable[Job], context: float | None = None) -> "tuple[Backlog, float]":
+        """`plus`, and the step at which the last of `jobs` finishes."""
+        free_at, count, prefill, extra, last = list(self.free_at), self.num_requests, self.prefill_tokens, 0.0, 0.0
+        for job in jobs:
+            finish = heapq.heappop(free_at) + job.steps
+            heapq.heappush(free_at, finish)
+            count, prefill, extra, last = count + 1, prefill + job.prefill_tokens, extra + job.context_tokens, \
+                max(last, finish)
+        total = self.context_tokens + extra if context is None else context
+        return Backlog(tuple(free_at), count, prefill, total), last
+
+    @property
+    def start_step(self) -> float:
+        """Steps until a new request could start."""
+        return self.free_at[0]
+
+    @property
+    def drain_steps(self) -> float:
+        return max(self.free_at)
+
+    @property
+    def batch(self) -> float:
+        """Requests a step of the coming ones holds."""
+        return float(max(1, min(len(self.free_at), self.num_requests)))
 
 
 class StepCostModel:
@@ -138,13 +172,7 @@ class StepCostModel:
             self._fit = best
         return self._fit
 
-    def seconds(self, work: Work, max_num_seqs: int, max_num_batched_tokens: int, kv_tokens: int) -> float:
-        """Time to drain `work`: its decode steps at the batch the engine can hold, its prefill in full steps."""
-        if work.num_requests == 0:
-            return 0.0
+    def step_seconds(self, batch: float, prefill_tokens: float) -> float:
+        """A step decoding `batch` requests and prefilling `prefill_tokens`."""
         overhead, per_prefill, per_decode = self.coefficients()
-        per_request = work.context_tokens / work.num_requests
-        batch = max(1.0, min(max_num_seqs, work.num_requests, kv_tokens / max(per_request, 1.0)))
-        steps = max(work.longest_decode, work.decode_tokens / batch,
-                    math.ceil(work.prefill_tokens / max_num_batched_tokens))
-        return overhead * steps + per_prefill * work.prefill_tokens + per_decode * work.decode_tokens
+        return overhead + per_prefill * prefill_tokens + per_decode * batch

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from engine.backlog import MIN_FINISHED, OutputLengths, StepCostModel, Work
+from engine.backlog import MIN_FINISHED, Backlog, Job, OutputLengths, StepCostModel
 from engine.config import EngineConfig, ModelArgs, default_num_threads
 from engine.failures import EngineFatalError, FailureKind, RequestFailure, leaves_state_unknown
 from engine.kv_cache_manager import KVCacheManager
@@ -26,6 +26,8 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
 
 
 class LLMEngine:
@@ -49,7 +51,8 @@ class LLMEngine:
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)
         self.step_costs = StepCostModel()
         self.output_lengths = OutputLengths()
-        self.backlog = Work()  # what the queues owe, refreshed after every change: other threads read it
+        self.backlog = Backlog()  # the queues' slot turns, refreshed after every change: other threads read it
+        self._prefill_per_step = 0.0  # prompt tokens per step lately (an average over recent steps)
         self._step_fault: tuple[Callable[[Request], bool], BaseException] | None = None
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
@@ -75,7 +78,7 @@ class LLMEngine:
                           arrival_time, record_events=self.config.record_request_events, deadline=deadline)
         self.requests[request_id] = request
         self.scheduler.add(request)
-        self.backlog = self.backlog + self.output_lengths.work_of(request)
+        self.backlog = self.backlog.plus([self.output_lengths.job_of(request)])
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -158,6 +161,7 @@ class LLMEngine:
         self._prefix_queries += prefix.queries
         self._prefix_hits += prefix.hits
         self.step_costs.observe(prefill_tokens, decode_tokens, duration_s)
+        self._prefill_per_step = PREFILL_DECAY * self._prefill_per_step + (1 - PREFILL_DECAY) * prefill_tokens
         self._refresh_backlog()
         self.step_history.append(SchedulerStats(
             step=self._num_steps, time=start, duration_s=duration_s,
@@ -213,16 +217,38 @@ class LLMEngine:
             raise fault[1]
 
     def _refresh_backlog(self) -> None:
-        self.backlog = self.output_lengths.work([*self.scheduler.running, *self.scheduler.waiting])
+        lengths = self.output_lengths
+        self.backlog = Backlog.of((lengths.job_of(r) for r in self.scheduler.running),
+                                  (lengths.job_of(r) for r in self.scheduler.waiting), self.config.max_num_seqs,
+                                  self.runner.num_blocks * self.config.block_size)
 
-    def predicted_wait_s(self, extra: Work = Work()) -> float | None:
-        """Seconds to drain the backlog (plus `extra`) at this engine's measured step costs; None until it has
-        seen enough steps and finished requests to say. Safe to call from any thread."""
+    def predicted_wait_s(self, pending: Iterable[Job] = ()) -> float | None:
+        """Seconds until a request queued now (after `pending` ones) could start; None until this engine has run
+        MIN_STEPS steps and finished MIN_FINISHED requests. Safe to call from any thread."""
+        estimate = self._estimate(pending, [])
+        return None if estimate is None else estimate[0]
+
+    def predicted_finish_s(self, jobs: list[Job], pending: Iterable[Job] = ()) -> tuple[float, float] | None:
+        """(seconds until `jobs`, queued now after `pending` ones, would all finish; seconds they would take on an
+        idle engine), or None while there is no estimate."""
+        estimate = self._estimate(pending, jobs)
+        return None if estimate is None else estimate[1:]
+
+    def _estimate(self, pending: Iterable[Job], jobs: list[Job]) -> tuple[float, float, float] | None:
         if not self.step_costs.ready or self.output_lengths.count < MIN_FINISHED:
             return None
-        config = self.config
-        return self.step_costs.seconds(self.backlog + extra, config.max_num_seqs, config.max_num_batched_tokens,
-                                       self.runner.num_blocks * config.block_size)
+        queued = self.backlog.plus(pending)
+        after, finish_step = queued.place(jobs)
+        alone, alone_steps = Backlog.of([], [], self.config.max_num_seqs, self.runner.num_blocks *
+                                        self.config.block_size).place(jobs)
+        alone_step_s = self.step_costs.step_seconds(alone.batch, alone.prefill_tokens / max(alone_steps, 1.0))
+        return queued.start_step * self._step_s(after), finish_step * self._step_s(after), alone_steps * alone_step_s
+
+    def _step_s(self, backlog: Backlog) -> float:
+        """A coming step's seconds: the batch the queues fill, and the prompt tokens this engine has been
+        prefilling per step lately, or the queue's own per step, if more."""
+        prefill = max(self._prefill_per_step, backlog.prefill_tokens / max(backlog.drain_steps, 1.0))
+        return self.step_costs.step_seconds(backlog.batch, prefill)
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:
         done = request.is_finished

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.backlog import MIN_STEPS, OutputLengths, StepCostModel, Work
+from engine.backlog import MIN_STEPS, Backlog, Job, OutputLengths, StepCostModel
 from tests.tiny_models import write_tiny_model
 
 
@@ -32,20 +32,19 @@ def test_a_term_the_steps_cannot_separate_drops_out_and_nothing_is_negative():
     assert overhead + 32 * per_decode == pytest.approx(0.064)  # what the steps show is still predicted
 
 
-def test_draining_decodes_pays_one_overhead_per_step_of_the_batch_the_engine_holds():
-    model = StepCostModel()
-    for prefill, decodes in [(0, 1), (0, 10), (100, 10), (0, 100)] * 20:
-        model.observe(prefill, decodes, 0.010 + 0.0002 * prefill + 0.001 * decodes)
-    # 40 requests with 50 tokens left each: 4 at once (max_num_seqs) is 500 steps; 40 at once would be 50.
-    work = sum((Work(0, 50, 50, 1, 100) for _ in range(40)), Work())
-    assert model.seconds(work, 4, 2048, 10**6) == pytest.approx(500 * 0.010 + 2000 * 0.001, rel=0.02)
-    assert model.seconds(work, 64, 2048, 10**6) == pytest.approx(50 * 0.010 + 2000 * 0.001, rel=0.02)
-    # ... unless the KV pool holds fewer: 1,000 tokens of KV fit 10 of these requests.
-    assert model.seconds(work, 64, 2048, 1000) == pytest.approx(200 * 0.010 + 2000 * 0.001, rel=0.02)
-    # Prompt tokens cost their own rate.
-    assert model.seconds(Work(1000, 1, 1, 1, 1001), 64, 2048, 10**6) == pytest.approx(
-        1 * 0.010 + 1000 * 0.0002 + 0.001, rel=0.02)
-    assert model.seconds(Work(), 64, 2048, 1000) == 0.0
+def test_queued_requests_take_the_first_slot_to_come_free_in_turn():
+    running = [Job(10, 0, 100), Job(30, 0, 100)]
+    waiting = [Job(50, 200, 300), Job(5, 100, 200), Job(5, 100, 200)]
+    backlog = Backlog.of(running, waiting, max_num_seqs=2, kv_tokens=10**6)
+    # Slot A frees at 10, takes the 50-step request (until 60); slot B frees at 30, takes the next two (to 40).
+    assert sorted(backlog.free_at) == [40, 60] and backlog.start_step == 40 and backlog.drain_steps == 60
+    assert backlog.num_requests == 5 and backlog.prefill_tokens == 400 and backlog.batch == 2
+    after, finish = backlog.place([Job(8, 50, 60)])
+    assert finish == 48 and after.start_step == 48
+    # With room for every request, nothing waits; a KV pool holding two of these at a time makes two slots.
+    assert Backlog.of(running, waiting, max_num_seqs=64, kv_tokens=10**6).start_step == 0
+    assert len(Backlog.of(running, waiting, max_num_seqs=64, kv_tokens=400).free_at) == 2
+    assert Backlog().start_step == 0 and Backlog().num_requests == 0
 
 
 def test_expected_output_follows_real_lengths_but_never_max_tokens_or_min_tokens():
@@ -60,20 +59,25 @@ def test_expected_output_follows_real_lengths_but_never_max_tokens_or_min_tokens
     assert lengths.expected(SamplingParams(max_tokens=1000, ignore_eos=True)) == 1000
 
 
-def test_engine_predicts_nothing_until_it_has_history_then_a_wait_that_grows_with_its_queue(tmp_path):
+def test_engine_predicts_nothing_until_it_has_history_then_waits_that_grow_with_its_queue(tmp_path):
     write_tiny_model(tmp_path, "llama")
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=256, max_num_seqs=4))
     assert engine.predicted_wait_s() is None
     engine.generate([[3 + i] * (4 + 3 * i) for i in range(8)], SamplingParams(max_tokens=12, ignore_eos=True))
     assert engine.predicted_wait_s() == 0.0  # idle, with history
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    waits = []
+    job = engine.output_lengths.job_of_new(10, params)
+    finish, alone = engine.predicted_finish_s([job])
+    assert 0 < alone <= finish
+    waits, finishes = [], []
     for i in range(12):
         engine.add_request(f"q{i}", [7] * 10, params)
         waits.append(engine.predicted_wait_s())
-    assert all(later >= earlier for earlier, later in zip(waits, waits[1:])) and waits[-1] > 2 * waits[3], waits
-    extra = engine.predicted_wait_s(Work(1000, num_requests=1, context_tokens=1000))
-    assert extra > waits[-1]
+        finishes.append(engine.predicted_finish_s([job])[0])
+    assert waits[:3] == [0.0] * 3 and waits[3] > 0  # four slots: the fifth request waits for one
+    assert all(later >= earlier for earlier, later in zip(waits, waits[1:])) and waits[-1] > 2 * waits[4]
+    assert all(f > w for f, w in zip(finishes, waits))
+    assert engine.predicted_wait_s([job] * 4) > waits[-1]  # requests accepted, not queued yet, count too
     while engine.has_unfinished():
         engine.step()
     assert engine.predicted_wait_s() == 0.0

@@ -115,6 +115,10 @@ def test_among_replicas_holding_the_prefix_the_least_predicted_wait_wins():
     idle = {"a": routing_stats([], kv_usage=0.0, backlog_s=0.0), "b": routing_stats([], kv_usage=0.05, backlog_s=0.0)}
     assert decide(request, idle, {"a": 1, "b": 0}).order[0] == "b"
     assert decide(request, idle, {"a": 1, "b": 1}).order[0] == "a"
+    # Nobody a second behind (free slots everywhere): load decides, as it does without estimates.
+    busy_free = {"a": routing_stats([], num_running=2, kv_usage=0.0, backlog_s=0.2),
+                 "b": routing_stats([], num_running=2, kv_usage=0.1, backlog_s=0.0)}
+    assert decide(request, busy_free, {"a": 4, "b": 2}).order[0] == "b"
     # A replica with no estimate yet: requests stand in for seconds for every replica.
     unknown = {"slow": routing_stats([request], num_running=2, backlog_s=30.0),
                "new": routing_stats([request], num_running=3)}
