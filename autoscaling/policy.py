@@ -186,14 +186,17 @@ class QueueKVPolicy:
 
     def __init__(self, **policy_kwargs: Any) -> None:
         self.config = QueueKVConfig(**policy_kwargs)
+        self._last_logged: tuple[int, int] | None = None  # (target, decision): logged once, not every tick
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         signals = signals_from_context(ctx)
         previous = dict(ctx.policy_state.get(STATE_KEY) or {})
         decision = queue_kv_decision(signals, self.config, previous)
-        if decision.num_replicas != signals.target_replicas:
+        wish = (signals.target_replicas, decision.num_replicas)
+        if decision.num_replicas != signals.target_replicas and wish != self._last_logged:
             log.info("%s: %d -> %d replicas: %s", ctx.deployment_name, signals.target_replicas,
                      decision.num_replicas, decision.reason)
+        self._last_logged = wish
         return decision.num_replicas, {STATE_KEY: decision.state}
 
     def __repr__(self) -> str:

@@ -21,6 +21,21 @@ log = logging.getLogger(__name__)
 RETRY_SOON = {"Retry-After": "1"}  # a lost replica: Serve routes the retry to a live one
 
 
+class ReplicaLost(OpenAIError):
+    """The engine replica serving the request failed or went away; the request itself was fine."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the engine replica serving this request was lost; retry the request",
+                         code="engine_replica_lost", headers=RETRY_SOON)
+
+
+def rejection_error(rejected: RequestRejected) -> OpenAIError:
+    """The HTTP error for an engine replica's refusal or failure report (its status and code, unchanged)."""
+    if rejected.retry_after_s is not None:
+        return overloaded(rejected.message, rejected.retry_after_s)
+    return OpenAIError(rejected.status, rejected.message, rejected.param, rejected.code)
+
+
 @dataclass
 class ChoiceDelta:
     index: int
@@ -106,13 +121,9 @@ class Generation:
             raise overloaded(f"every engine replica is busy and {exc.message}; retry shortly") from exc
         except Exception as exc:  # the replica failed or went away: the caller's input was fine
             log.warning("engine stream failed: %r", exc)
-            raise OpenAIError(503, f"the engine replica failed: {type(exc).__name__}; retry the request",
-                              headers=RETRY_SOON) from exc
-        if isinstance(message, RequestRejected) and message.retry_after_s is not None:
-            raise overloaded(message.message)
+            raise ReplicaLost() from exc
         if isinstance(message, RequestRejected):
-            code = "context_length_exceeded" if "context length" in message.message else None
-            raise OpenAIError(400, message.message, message.param, code)
+            raise rejection_error(message)
         self.timeline.chunk_read()
         return message
 

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from deployments.errors import OpenAIError
+from deployments.errors import OpenAIError, internal_error
 from deployments.generation import ChoiceDelta, Generation
 from deployments.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionChunk,
@@ -168,6 +168,9 @@ async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str
     except OpenAIError as exc:
         log.warning("stream ended by an error: %s", exc)
         pending += sse(exc.body)
+    except Exception:  # the headers are sent: the error can only travel as an event, and says nothing internal
+        log.exception("stream failed")
+        pending += sse(internal_error().body)
     timeline = inline_view(generation.timeline)
     if timeline is not None:
         pending += f"data: {json.dumps({**empty().model_dump(), 'timeline': timeline})}\n\n"

@@ -1,14 +1,15 @@
-"""OpenAI request schemas (pydantic), with the sampling extensions vLLM offers, and their SamplingParams."""
+"""OpenAI request schemas (pydantic), with the sampling extensions vLLM offers, and their SamplingParams.
+
+The schemas check shapes and types, and what only the API defines (temperature's OpenAI range, unsupported
+fields); every bound the engine enforces is the engine's own check (engine.request_limits), run by the ingress.
+"""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-
-MAX_N = 16
-MAX_STOP_STRINGS = 8
+from engine.sampling_params import InvalidRequestError, SamplingParams
 
 
 def _holds_lone_surrogate(value: object) -> bool:
@@ -37,10 +38,10 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    top_p: float | None = None
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -50,19 +51,22 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # Extensions, as vLLM names them.
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
+    # Engine fields this endpoint names otherwise, for errors: the client must recognise what to change.
+    FIELD_NAMES: ClassVar[dict[str, str]] = {}
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}",
-                                      "stop")
         return [s for s in stops if s]
+
+    def field_name(self, engine_param: str | None) -> str | None:
+        return self.FIELD_NAMES.get(engine_param, engine_param)
 
     def check_supported(self) -> None:
         """Parameters accepted by the schema that this server cannot honour are refused, not silently dropped."""
@@ -79,13 +83,12 @@ class SamplingFields(BaseModel):
                                           name)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = SamplingParams(
+        """Unchecked: RequestLimits.check (with the engine's limits) checks the whole request."""
+        return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            seed=self.seed, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs)
-        params.validate()
-        return params
+            seed=self.seed, stop_token_ids=list(self.stop_token_ids or []), stop=self.stop_strings(),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -94,7 +97,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -143,15 +146,22 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[dict] | None = None
     response_format: dict | None = None
     add_generation_prompt: bool = True
 
+    FIELD_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field_name(self, engine_param: str | None) -> str | None:
+        if engine_param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().field_name(engine_param)
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

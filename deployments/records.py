@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.outputs import SchedulerStats
 from engine.request import TokenLogprobs
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 
 
@@ -17,6 +18,8 @@ class EngineRequest:
     sampling: SamplingParams
     n: int = 1
     arrival_time: float = 0.0
+    deadline: float | None = None  # time.time() past which nobody waits for the answer
+    avoid_replicas: tuple[str, ...] = ()  # replicas that already failed this request: routed to last
 
 
 @dataclass
@@ -51,22 +54,24 @@ class GenerationChunk:
 
 @dataclass
 class RequestRejected:
-    """The engine refused the request; the message tells the caller what to change."""
+    """The engine replica refused or failed the request; the message tells the caller what happened and what to
+    change. `status` is the HTTP status it answers with: 400 for the request's own input, 408 for a deadline
+    that passed in the queue, 500 for a failed engine step (never worth retrying as is), 503 for a full replica
+    (with `retry_after_s`)."""
 
     message: str
     param: str | None = None
-    retry_after_s: float | None = None  # set when the replica is full, not the request wrong: 503, try again
+    code: str | None = None
+    status: int = 400
+    retry_after_s: float | None = None
 
 
 @dataclass
 class ModelInfo:
     """What the ingress must know about the engine to validate and frame requests."""
 
-    max_model_len: int
-    vocab_size: int
+    limits: RequestLimits
     eos_token_ids: tuple[int, ...]
-    num_kv_blocks: int
-    block_size: int
     attention_backend: str = ""  # the backend the engine chose (auto resolved): torch, cpu, triton, flash-attn
     device: str = ""
     cuda_graphs: bool = False  # decode steps replay CUDA graphs
@@ -88,6 +93,7 @@ class ReplicaStats:
     num_preemptions: int
     num_finished_requests: int
     num_active_streams: int
+    backlog_s: float | None = None  # seconds to drain what it holds (engine.backlog); None: no estimate yet
     # Filled in for the request router only (deployments/block_digest.py): the replica's time.time() when read,
     # and a Bloom filter over the block hashes its prefix cache holds.
     block_size: int = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.failures import RequestFailure
 from engine.request import RequestTimings, TokenLogprobs
 
 
@@ -13,20 +14,21 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timings: RequestTimings | None = None  # set on the final output
+    failure: RequestFailure | None = None  # why it finished with "error"
 
     def merge(self, later: "EngineOutput") -> "EngineOutput":
         """Coalesce two outputs of one request (streaming in fewer, larger messages)."""
         self.new_token_ids = self.new_token_ids + later.new_token_ids
         self.logprobs = self.logprobs + later.logprobs
         for name in ("finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "num_preemptions",
-                     "timings"):
+                     "timings", "failure"):
             setattr(self, name, getattr(later, name))
         return self
 

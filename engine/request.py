@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.failures import RequestFailure
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request's `failure` says why
 
     @property
     def is_finished(self) -> bool:
@@ -28,7 +30,7 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 class EventKind(enum.IntEnum):
@@ -90,8 +92,9 @@ class TokenLogprobs:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  block_size: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 extra_keys: tuple | None = None, record_events: bool = True) -> None:
+                 extra_keys: tuple | None = None, record_events: bool = True, deadline: float | None = None) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # time.time() past which nobody waits for it any more
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
@@ -110,6 +113,7 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time(),
                                       events=[] if record_events else None)
+        self.failure: RequestFailure | None = None  # set when it finishes with FINISHED_ERROR
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

@@ -64,7 +64,6 @@ BAD_BODIES = [
     pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs", id="logprobs-negative"),
     pytest.param(CHAT, {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
                  id="top_logprobs-negative"),
-    pytest.param(CHAT, {"messages": HI, "seed": 2**70}, "seed", id="seed-beyond-64-bits"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 10**12}, "min_tokens",
                  id="min_tokens-huge"),
 ]
@@ -163,6 +162,19 @@ def test_lone_surrogate_gets_400(http, path, raw, param):
     assert_openai_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400, param)
 
 
+def test_seeds_are_opaque_integers_of_any_size(http, serve_app):
+    """OpenAI's seeds are opaque: one past 64 bits wraps into the engine's range, and so does seed + choice."""
+    def texts(seed: int) -> list[str]:
+        response = http.post(CHAT, json={"model": serve_app.model, "messages": HI, "max_tokens": 4, "seed": seed,
+                                         "n": 2, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+        return [c["message"]["content"] for c in response.json()["choices"]]
+
+    assert texts(2**70) == texts(2**70)  # still reproducible
+    for seed in (-(2**70), 2**64 - 1, 2**63 - 1):
+        texts(seed)
+
+
 def test_unicode_control_characters_and_unknown_fields_are_served(http, serve_app):
     text = "\x00\x01\x07\x1b[31m\u202e\ufeff\u200b 日本語 🤖 e\u0301 \U0010ffff"
     for path, body in ((CHAT, {"messages": [{"role": "user", "content": text}], "stop": ["\x00", "🤖"]}),
@@ -171,6 +183,15 @@ def test_unicode_control_characters_and_unknown_fields_are_served(http, serve_ap
                                          "metadata": {"k": "v"}})
         assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"].startswith(text)  # echoed back intact
+
+
+@pytest.mark.parametrize("path,body", [
+    (COMPLETIONS, {"prompt": "a" * 700_000}),
+    (CHAT, {"messages": [{"role": "system", "content": "b" * 400_000}, {"role": "user", "content": "c" * 300_000}]}),
+], ids=["completion", "chat"])
+def test_text_far_beyond_the_context_is_refused_before_tokenizing(http, serve_app, path, body):
+    error = assert_openai_error(http.post(path, json={"model": serve_app.model, **body, "max_tokens": 1}), 400)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "0", "inf", "nan"])
