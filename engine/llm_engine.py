@@ -1,6 +1,7 @@
 """LLMEngine: add requests, call step(), read outputs. Synchronous, single-threaded, no Ray, no HTTP."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import deque
@@ -15,6 +16,7 @@ from engine.outputs import EngineOutput, EngineStats, SchedulerStats
 from engine.request import EventKind, Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler, GrammarState, check_grammar
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +32,14 @@ class LLMEngine:
         self.model_args = args
         limit = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.runner = ModelRunner(config, args, weights, self.max_model_len)
+        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
+        # Structured output: the grammar's end is the model's first end-of-sequence token.
+        self.grammars = GrammarCompiler(config.model, args.vocab_size, self.eos_token_ids[0]) \
+            if self.eos_token_ids else None
+        self.runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars)
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
-        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
         self.requests: dict[str, Request] = {}
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)
         self._num_steps = 0
@@ -52,6 +57,14 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
         if any(not isinstance(t, int) or not 0 <= t < self.model_args.vocab_size for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_args.vocab_size})", "prompt")
+        if params.logit_bias and any(t >= self.model_args.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.model_args.vocab_size})",
+                                      "logit_bias")
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("this model has no end-of-sequence token, so structured output cannot "
+                                          "end; send the request without it", "response_format")
+            check_grammar(params.structured_output)
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
@@ -71,6 +84,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_ids,
                           arrival_time, record_events=self.config.record_request_events)
+        if params.structured_output is not None:
+            request.grammar = GrammarState(self.grammars.submit(params.structured_output))
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -87,12 +102,17 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         start, t0 = time.time(), time.perf_counter()
+        failed = self._fail_broken_grammars()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            self._wait_for_grammars()
+            return failed
+        for s in sched.scheduled:
+            if s.request.grammar is not None:
+                s.request.grammar.start(s.request.output_token_ids)
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = failed
         prefill_tokens = decode_tokens = prefill_reqs = 0
         finished = 0
         for s in sched.scheduled:
@@ -110,6 +130,8 @@ class LLMEngine:
                 continue
             token, logprobs = sampled[request.request_id]
             request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.timings.first_token is None:
@@ -123,7 +145,7 @@ class LLMEngine:
                 del self.requests[request.request_id]
                 finished += 1
             outputs.append(self._output(request, [token], [logprobs] if logprobs else []))
-        self._generation_tokens += len(outputs)
+        self._generation_tokens += len(outputs) - len(failed)
         self._finished += finished
         self._num_steps += 1
         prefix = self.kv.stats.reset()
@@ -144,7 +166,26 @@ class LLMEngine:
             request_id=request.request_id, new_token_ids=tokens, finished=done,
             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions, logprobs=logprobs, timings=request.timings if done else None)
+            num_preemptions=request.num_preemptions, logprobs=logprobs, timings=request.timings if done else None,
+            prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else [])
+
+    def _fail_broken_grammars(self) -> list[EngineOutput]:
+        """Ends waiting requests whose grammar failed to compile (the border's check lets few through)."""
+        broken = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready and r.grammar.error]
+        outputs = []
+        for request in broken:
+            log.warning("request %s: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            del self.requests[request.request_id]
+            self._finished += 1
+            outputs.append(self._output(request, [], []))
+        return outputs
+
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """Nothing could run: rather than spin, wait briefly for a grammar still compiling (if any)."""
+        pending = [r.grammar.future for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def stats(self) -> EngineStats:
         return EngineStats(

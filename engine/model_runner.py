@@ -12,14 +12,18 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, gather_logprobs
 from engine.scheduler import ScheduledRequest
+from engine.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x 49k vocab: 48 MiB in fp32)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, args: ModelArgs, weights: dict[str, torch.Tensor],
-                 max_model_len: int) -> None:
+                 max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.args = args
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -59,11 +63,13 @@ class ModelRunner:
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, sample_rows = self._prepare(ordered)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in ordered):
+            self._prompt_logprobs(ordered, hidden)
         if not sample_rows:
             return {}
         requests = [s.request for s, _ in sample_rows]
         logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows], device=self.device)])
-        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device)
+        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device, self.grammars)
         tokens, logprobs = self.sampler(logits, batch)
         results: dict[str, tuple[int, TokenLogprobs | None]] = {r.request_id: (t, None) for r, t in zip(requests, tokens)}
         if logprobs is not None:
@@ -73,6 +79,25 @@ class ModelRunner:
             for i, lp in zip(rows, lps):
                 results[requests[i].request_id] = (tokens[i], lp)
         return results
+
+    def _prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Appends to each asking request the logprobs of the prompt tokens this step's chunk predicts (position
+        p's logits give token p + 1's logprob); a chunk recomputed after a preemption adds none twice."""
+        offset = 0
+        for s in ordered:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            want = r.sampling_params.prompt_logprobs
+            first = max(start + 1, len(r.prompt_logprobs) + 1)  # prompt token index of the first new entry
+            last = min(start + n, r.num_prompt_tokens - 1)
+            if want is not None and first <= last:
+                for lo in range(first, last + 1, PROMPT_LOGPROBS_ROWS):  # bounds the [rows, vocab] logits
+                    hi = min(lo + PROMPT_LOGPROBS_ROWS, last + 1)
+                    rows = torch.arange(offset + lo - 1 - start, offset + hi - 1 - start, device=self.device)
+                    logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+                    targets = r.prompt_token_ids[lo:hi]
+                    r.prompt_logprobs.extend(gather_logprobs(logprobs, list(range(hi - lo)), targets,
+                                                             [want] * (hi - lo)))
+            offset += n
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
