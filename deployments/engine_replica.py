@@ -98,7 +98,7 @@ class EngineReplica:
             yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
                                   finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                                   num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
-                                  logprobs=out.logprobs, timeline=timeline)
+                                  logprobs=out.logprobs, timeline=timeline, prompt_logprobs=out.prompt_logprobs)
 
     def _engine_timeline(self, out: EngineOutput, entered: float, first_chunk_s: float,
                          end_s: float) -> EngineTimeline | None:

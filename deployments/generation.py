@@ -1,6 +1,8 @@
 """One request's stream from an engine replica, turned into per-choice text deltas, finish reasons and usage."""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None  # set on the choice's last delta
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first delta, when asked for
 
 
 @dataclass
@@ -133,4 +136,60 @@ class Generation:
         elif chunk.finished:
             choice.finish_reason = chunk.finish_reason or "stop"
             text += choice.detokenizer.flush()
-        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason)
+        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason,
+                           chunk.prompt_logprobs)
+
+
+class GenerationGroup:
+    """Several prompts' generations answered as one completion: prompt i's choice j is choice i * n + j."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+        self.choices = [c for g in generations for c in g.choices]
+        self.timeline = generations[0].timeline
+        self.num_prompt_tokens = sum(g.num_prompt_tokens for g in generations)
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        if len(self.generations) == 1:
+            async for deltas in self.generations[0].deltas():
+                yield deltas
+            return
+        queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(generation: Generation, offset: int) -> None:
+            try:
+                async for deltas in generation.deltas():
+                    queue.put_nowait([dataclasses.replace(d, index=d.index + offset) for d in deltas])
+                queue.put_nowait(None)
+            except BaseException as exc:  # handed to the consumer, which raises it
+                queue.put_nowait(exc)
+
+        offsets = [0]
+        for g in self.generations[:-1]:
+            offsets.append(offsets[-1] + len(g.choices))
+        tasks = [asyncio.create_task(pump(g, o)) for g, o in zip(self.generations, offsets)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.cancel()
+
+    def usage(self) -> Usage:
+        parts = [g.usage() for g in self.generations]
+        prompt, completion = sum(u.prompt_tokens for u in parts), sum(u.completion_tokens for u in parts)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in parts)))
+
+    def cancel(self) -> None:
+        for g in self.generations:
+            g.cancel()

@@ -47,6 +47,7 @@ class GenerationChunk:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timeline: EngineTimeline | None = None  # on a choice's final chunk, when timelines are on
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first chunk, when asked for
 
 
 @dataclass
