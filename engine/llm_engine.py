@@ -112,7 +112,7 @@ class LLMEngine:
                 s.request.grammar.start(s.request.output_token_ids)
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
-        outputs: list[EngineOutput] = failed
+        outputs: list[EngineOutput] = list(failed)
         prefill_tokens = decode_tokens = prefill_reqs = 0
         finished = 0
         for s in sched.scheduled:
