@@ -52,8 +52,8 @@ def _message(m: ChatMessage, native: bool) -> dict[str, Any]:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         else:
-            blocks = [f"<tool_call>\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c.function.arguments)})}"
-                      f"\n</tool_call>" for c in m.tool_calls]
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
+            blocks = [f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in calls]
             out["content"] = "\n".join(([out["content"]] if out["content"] else []) + blocks)
     if m.role == "tool":
         if native:

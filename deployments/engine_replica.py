@@ -49,21 +49,26 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
         entered = time.monotonic()
+        prompts = request.prompts
         try:
-            self.engine.engine.validate(request.prompt_token_ids, request.sampling)
+            for prompt in prompts:
+                self.engine.engine.validate(prompt, request.sampling)
         except InvalidRequestError as exc:
             yield RequestRejected(str(exc), exc.param)
             return
-        if not self.engine.has_room(request.n):
+        num_choices = request.n * len(prompts)
+        if not self.engine.has_room(num_choices):
             limit = self.engine.engine.config.max_num_waiting
             yield RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
                                   f"engine.max_num_waiting); retry shortly", retry_after_s=1.0)
             return
-        self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+        for _ in prompts:
+            self.metrics.record_arrival(request.n, request.sampling.max_tokens)
         self._num_active_streams += 1
         try:
-            choices = [self._choice(request, i, entered) for i in range(request.n)]
-            batches = _one_by_one(choices[0]) if request.n == 1 else _merged(choices)
+            choices = [self._choice(request, prompt, i * request.n + j, j, entered)
+                       for i, prompt in enumerate(prompts) for j in range(request.n)]
+            batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
             async for batch in batches:
                 yield batch
                 if self.stream_interval_s:
@@ -71,13 +76,15 @@ class EngineReplica:
         finally:
             self._num_active_streams -= 1
 
-    async def _choice(self, request: EngineRequest, index: int, entered: float) -> AsyncIterator[GenerationChunk]:
+    async def _choice(self, request: EngineRequest, prompt: list[int], index: int, sample: int,
+                      entered: float) -> AsyncIterator[GenerationChunk]:
+        """Choice `index` of the request: its prompt's `sample`-th sample."""
         params = request.sampling
-        if index and params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + index)  # n seeded samples must differ
+        if sample and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + sample)  # n seeded samples must differ
         last_token_time: float | None = None
         first_chunk_s: float | None = None
-        async for out in self.engine.generate(request.prompt_token_ids, params, f"{request.request_id}-{index}",
+        async for out in self.engine.generate(prompt, params, f"{request.request_id}-{index}",
                                               request.arrival_time or None):
             now = time.time()
             if out.new_token_ids:

@@ -1,8 +1,6 @@
 """One request's stream from an engine replica, turned into per-choice text deltas, finish reasons and usage."""
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -45,13 +43,15 @@ class ChoiceState:
 class Generation:
     """Reads the replica's stream; stops it early once every choice has met a stop string."""
 
-    def __init__(self, responses: Any, n: int, num_prompt_tokens: int,
-                 make_detokenizer: Callable[[], IncrementalDetokenizer],
+    def __init__(self, responses: Any, n: int, prompt_lengths: list[int],
+                 make_detokenizer: Callable[[int], IncrementalDetokenizer],
                  timeline: RequestTimeline | TimelineOff = TIMELINE_OFF) -> None:
+        """`n` choices for each prompt (of `prompt_lengths` tokens); choice i * n + j is prompt i's j-th."""
         self._responses = responses  # a DeploymentResponseGenerator of list[GenerationChunk] | RequestRejected
-        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self.prompt_lengths = prompt_lengths
         self.timeline = timeline
-        self.choices = [ChoiceState(make_detokenizer()) for _ in range(n)]
+        self.choices = [ChoiceState(make_detokenizer(i)) for i in range(n * len(prompt_lengths))]
         self._first: list[GenerationChunk] | None = None
 
     async def start(self) -> None:
@@ -90,10 +90,13 @@ class Generation:
                 log.debug("cancelling the engine stream: %r", exc)
 
     def usage(self) -> Usage:
+        """Each prompt counted once, however many choices it has."""
         completion = sum(c.num_output_tokens for c in self.choices)
-        cached = max((c.num_cached_tokens for c in self.choices), default=0)
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.num_prompt_tokens + completion,
+        prompt = sum(self.prompt_lengths)
+        n = self.n
+        cached = sum(max(c.num_cached_tokens for c in self.choices[i * n:(i + 1) * n])
+                     for i in range(len(self.prompt_lengths)))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     async def _next(self) -> list[GenerationChunk] | None:
@@ -139,57 +142,3 @@ class Generation:
         return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason,
                            chunk.prompt_logprobs)
 
-
-class GenerationGroup:
-    """Several prompts' generations answered as one completion: prompt i's choice j is choice i * n + j."""
-
-    def __init__(self, generations: list[Generation]) -> None:
-        self.generations = generations
-        self.choices = [c for g in generations for c in g.choices]
-        self.timeline = generations[0].timeline
-        self.num_prompt_tokens = sum(g.num_prompt_tokens for g in generations)
-
-    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
-        if len(self.generations) == 1:
-            async for deltas in self.generations[0].deltas():
-                yield deltas
-            return
-        queue: asyncio.Queue[list[ChoiceDelta] | BaseException | None] = asyncio.Queue()
-
-        async def pump(generation: Generation, offset: int) -> None:
-            try:
-                async for deltas in generation.deltas():
-                    queue.put_nowait([dataclasses.replace(d, index=d.index + offset) for d in deltas])
-                queue.put_nowait(None)
-            except BaseException as exc:  # handed to the consumer, which raises it
-                queue.put_nowait(exc)
-
-        offsets = [0]
-        for g in self.generations[:-1]:
-            offsets.append(offsets[-1] + len(g.choices))
-        tasks = [asyncio.create_task(pump(g, o)) for g, o in zip(self.generations, offsets)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.cancel()
-
-    def usage(self) -> Usage:
-        parts = [g.usage() for g in self.generations]
-        prompt, completion = sum(u.prompt_tokens for u in parts), sum(u.completion_tokens for u in parts)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(
-                         cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in parts)))
-
-    def cancel(self) -> None:
-        for g in self.generations:
-            g.cancel()

@@ -23,7 +23,7 @@ from deployments.chat_template import render_chat
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
-from deployments.generation import Generation, GenerationGroup
+from deployments.generation import Generation
 from deployments.http_metrics import HttpMetricsMiddleware
 from deployments.limits import RequestLimitsMiddleware
 from deployments.openai_format import (Echo, StreamUsage, TokenText, ToolParserFactory, chat_response, chat_stream,
@@ -32,7 +32,7 @@ from deployments.protocol import (ChatCompletionRequest, CompletionRequest, Deto
                                   SamplingFields, TokenizeRequest)
 from deployments.records import EngineRequest, ModelInfo
 from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
-from deployments.timeline import TIMELINE_OFF, TimelineView
+from deployments.timeline import TimelineView
 from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
 from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
@@ -68,18 +68,6 @@ def _tool_parser(choice: Any, parallel: bool) -> ToolParserFactory | None:
     if choice == "none":
         return None
     return lambda: ToolCallParser(parallel)
-
-
-async def _all_started(starts: list[Any]) -> list[Generation]:
-    """Starts every prompt's generation at once; if one is refused, the others are cancelled."""
-    results = await asyncio.gather(*starts, return_exceptions=True)
-    failure = next((r for r in results if isinstance(r, BaseException)), None)
-    if failure is not None:
-        for r in results:
-            if isinstance(r, Generation):
-                r.cancel()
-        raise failure
-    return list(results)
 
 
 @serve.ingress(app)
@@ -146,10 +134,8 @@ class OpenAIIngress:
                   for p, ids in zip(body.prompts(), prompts)] if body.echo else None
         prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        starts = [self._start(body, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, body.max_tokens,
-                              body.logprobs, COMPLETIONS_DEFAULT_MAX_TOKENS, arrival, prompt_logprobs=prompt_logprobs,
-                              timeline=None if i == 0 else TIMELINE_OFF) for i, ids in enumerate(prompts)]
-        generation = GenerationGroup(await _all_started(starts))
+        generation = await self._start(body, request_id, prompts, body.max_tokens, body.logprobs,
+                                       COMPLETIONS_DEFAULT_MAX_TOKENS, arrival, prompt_logprobs=prompt_logprobs)
         if body.stream:
             return _sse(completion_stream(generation, request_id, self.model_name, echoes, body.n, self.tokens,
                                           want_logprobs, _stream_usage(body)))
@@ -169,7 +155,7 @@ class OpenAIIngress:
             raise OpenAIError(400, "tool_choice required or a named function cannot be combined with "
                                    "response_format or guided_* fields", "tool_choice")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await self._start(body, request_id, prompt_ids, body.requested_max_tokens(),
+        generation = await self._start(body, request_id, [prompt_ids], body.requested_max_tokens(),
                                        body.requested_logprobs(), None, arrival, structured=forced)
         tool_parser = _tool_parser(choice, body.parallel_tool_calls)
         if body.stream:
@@ -215,35 +201,35 @@ class OpenAIIngress:
             raise OpenAIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _start(self, body: SamplingFields, request_id: str, prompt_ids: list[int], max_tokens: int | None,
+    async def _start(self, body: SamplingFields, request_id: str, prompts: list[list[int]], max_tokens: int | None,
                      logprobs: int | None, default_max_tokens: int | None, arrival: float,
-                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None,
-                     timeline: Any = None) -> Generation:
-        """Validates against the model's limits, sends the request and waits for its first tokens."""
-        timeline = timeline or current_timeline()
+                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> Generation:
+        """Validates against the model's limits, sends the request (every prompt in one engine call) and waits
+        for its first tokens."""
+        timeline = current_timeline()
         timeline.prompt_ready()
         info = await self._model_info()
-        n = len(prompt_ids)
-        if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in prompt_ids):
+        longest = max(len(p) for p in prompts)
+        if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for p in prompts for t in p):
             raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
         capacity = min(info.max_model_len, info.num_kv_blocks * info.block_size)
         if max_tokens is None:
-            max_tokens = default_max_tokens or max(capacity - n, 1)
-        if n + max_tokens > info.max_model_len:
+            max_tokens = default_max_tokens or max(capacity - longest, 1)
+        if longest + max_tokens > info.max_model_len:
             raise OpenAIError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, "
-                                   f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
-                                   f"max_tokens). Shorten the prompt or lower max_tokens.",
+                                   f"you requested {longest + max_tokens} tokens ({longest} in the prompt, "
+                                   f"{max_tokens} for max_tokens). Shorten the prompt or lower max_tokens.",
                               "max_tokens", "context_length_exceeded")
         try:
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
             stops = body.stop_strings()
         except InvalidRequestError as exc:
             raise OpenAIError.invalid(exc) from exc
-        request = EngineRequest(request_id, prompt_ids, params, body.n, arrival)
-        skip_special = body.skip_special_tokens
+        request = EngineRequest(request_id, prompts[0], params, body.n, arrival, more_prompt_token_ids=prompts[1:])
+        skip_special, n = body.skip_special_tokens, body.n
         timeline.dispatching(request_id)
-        generation = Generation(self._stream.generate.remote(request), body.n, n,
-                                lambda: IncrementalDetokenizer(self.tokenizer, stops, prompt_ids, skip_special),
+        generation = Generation(self._stream.generate.remote(request), n, [len(p) for p in prompts],
+                                lambda i: IncrementalDetokenizer(self.tokenizer, stops, prompts[i // n], skip_special),
                                 timeline)
         try:
             await generation.start()

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from deployments.errors import OpenAIError
-from deployments.generation import ChoiceDelta, Generation, GenerationGroup
+from deployments.generation import ChoiceDelta, Generation
 from deployments.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionResponse, ChatLogprobs, CompletionChoice, CompletionChunk,
                                    CompletionLogprobs, CompletionResponse, DeltaMessage, FunctionCallOut,
@@ -46,7 +46,7 @@ def sse(model: Any) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
-def json_response(response: BaseModel, generation: Generation | GenerationGroup) -> JSONResponse:
+def json_response(response: BaseModel, generation: Generation) -> JSONResponse:
     """The whole response; with a `timeline` field when the client asked for it (OpenAI clients ignore it)."""
     content = response.model_dump()
     timeline = inline_view(generation.timeline)
@@ -111,7 +111,7 @@ class CollectedChoice:
     prompt_logprobs: list[TokenLogprobs]
 
 
-async def collect(generation: Generation | GenerationGroup) -> list[CollectedChoice]:
+async def collect(generation: Generation) -> list[CollectedChoice]:
     """Each choice's whole text, logprob entries, finish reason and prompt logprobs."""
     out = [CollectedChoice("", [], None, []) for _ in generation.choices]
     async for deltas in generation.deltas():
@@ -124,7 +124,7 @@ async def collect(generation: Generation | GenerationGroup) -> list[CollectedCho
     return out
 
 
-async def completion_response(generation: GenerationGroup, request_id: str, model: str, echoes: list[Echo] | None,
+async def completion_response(generation: Generation, request_id: str, model: str, echoes: list[Echo] | None,
                               n: int, tokens: TokenText, want_logprobs: bool) -> CompletionResponse:
     choices = []
     for index, c in enumerate(await collect(generation)):
@@ -162,7 +162,7 @@ async def chat_response(generation: Generation, request_id: str, model: str, tok
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=generation.usage())
 
 
-async def completion_stream(generation: GenerationGroup, request_id: str, model: str, echoes: list[Echo] | None,
+async def completion_stream(generation: Generation, request_id: str, model: str, echoes: list[Echo] | None,
                             n: int, tokens: TokenText, want_logprobs: bool,
                             usage_options: StreamUsage) -> AsyncIterator[str]:
     created = int(time.time())
@@ -238,7 +238,7 @@ async def chat_stream(generation: Generation, request_id: str, model: str, token
         yield text
 
 
-async def _sse_events(generation: Generation | GenerationGroup, chunk: Callable[[ChoiceDelta], str], opening: str,
+async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str], opening: str,
                       usage: Callable[[], str] | None, empty: Callable[[], BaseModel]) -> AsyncIterator[str]:
     """One SSE write per engine message; an error after the first byte becomes an SSE error event, then [DONE].
 

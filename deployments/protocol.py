@@ -230,6 +230,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's legacy form of tools: refused, with a pointer to tools
+    function_call: Any = None
     add_generation_prompt: bool = True
 
     def requested_max_tokens(self) -> int | None:
@@ -242,6 +244,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.functions is not None or self.function_call is not None:
+            param = "functions" if self.functions is not None else "function_call"
+            raise InvalidRequestError(f"{param} (legacy) is not supported; send tools and tool_choice", param)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
         names = [t.function.name for t in self.tools or []]
