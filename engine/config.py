@@ -112,7 +112,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    # oneDNN-prepacked linear weights on CPU (bf16); falls back to F.linear if the ops are missing.
+    # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     num_threads: int | None = None
     seed: int = 0

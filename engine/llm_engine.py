@@ -45,9 +45,9 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, prepacked=%s",
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, linears=%s",
                  args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.prepacked)
+                 self.max_model_len, self.runner.linear_packing or "F.linear")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
@@ -110,6 +110,7 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.request.grammar is not None:
                 s.request.grammar.start(s.request.output_token_ids)
+        schedule_s = time.perf_counter() - t0
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
         outputs: list[EngineOutput] = list(failed)
@@ -157,7 +158,9 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
             num_prefill_requests=prefill_reqs, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished))
+            prefix_cache_hits=prefix.hits, num_finished=finished, schedule_s=schedule_s,
+            prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
+            sample_s=self.runner.times.sample_s))
         return outputs
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend
 from engine.config import EngineConfig, ModelArgs
-from engine.models.layers import onednn_prepack_available
+from engine.models.layers import select_linear_packing
 from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -17,6 +19,15 @@ from engine.structured_output import GrammarCompiler
 log = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x 49k vocab: 48 MiB in fp32)
+
+
+@dataclass
+class StepTimes:
+    """Seconds the last execute() spent in each part."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
@@ -29,23 +40,22 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         backend = select_backend(config.attention_backend, self.device, args.num_heads, args.num_kv_heads,
-                                 args.head_dim, config.block_size)
+                                 args.head_dim, config.block_size, self.dtype)
         self.attention_backend = backend.name
         model = LlamaForCausalLM(args, backend, self.dtype, max_model_len)
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if backend.name == "cpu":
             self.model.use_cpu_kernels()
-        self.prepacked = False
-        if config.prepack_weights and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            if onednn_prepack_available():
-                self.model.prepack_linears()
-                self.prepacked = True
+        self.linear_packing = select_linear_packing(self.device, self.dtype, config.prepack_weights)
+        if self.linear_packing:
+            self.model.prepack_linears(self.linear_packing)
         self.num_blocks = self._num_blocks()
-        shape = backend.kv_cache_shape(self.num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        k_shape, v_shape = backend.key_cache_shape(self.num_blocks), backend.kv_cache_shape(self.num_blocks)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
         self.sampler = Sampler()
+        self.times = StepTimes()
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -60,9 +70,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Runs the batch; returns the sampled token (and logprobs) of each request that samples."""
+        t0 = time.perf_counter()
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, sample_rows = self._prepare(ordered)
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        t2 = time.perf_counter()
+        self.times = StepTimes(t1 - t0, t2 - t1)
         if any(s.request.sampling_params.prompt_logprobs is not None for s in ordered):
             self._prompt_logprobs(ordered, hidden)
         if not sample_rows:
@@ -78,6 +92,7 @@ class ModelRunner:
                                   [requests[i].sampling_params.logprobs for i in rows])
             for i, lp in zip(rows, lps):
                 results[requests[i].request_id] = (tokens[i], lp)
+        self.times.sample_s = time.perf_counter() - t2
         return results
 
     def _prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> None:

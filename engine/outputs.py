@@ -52,6 +52,11 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up this step
     prefix_cache_hits: int
     num_finished: int
+    # Where the step's time went; what is left of duration_s is turning samples into outputs.
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # the batch's input tensors
+    forward_s: float = 0.0  # the model, up to the hidden states
+    sample_s: float = 0.0  # logits of the rows that sample, and sampling
 
 
 @dataclass

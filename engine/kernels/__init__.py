@@ -4,6 +4,7 @@ Everything here is optional: if the compiler or build fails, callers fall back t
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -15,7 +16,19 @@ import torch
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
-NAME = "tokenline_cpu_kernels"
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+
+
+def _build_name() -> str:
+    """One cached build per set of sources: checkouts of different versions share the cache without rebuilding
+    over each other (torch's cache keeps one build per name)."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update((Path(__file__).parent / source).read_bytes())
+    return f"tokenline_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
 STALE_LOCK_S = 600.0
@@ -35,12 +48,11 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _remove_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
+        name = _build_name()
+        _remove_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         here = Path(__file__).parent
-        load(name=NAME, sources=[str(here / "paged_attention_cpu.cpp"),
-                                                    str(here / "layers_cpu.cpp")], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], verbose=False)
+        load(name=name, sources=[str(here / s) for s in SOURCES], is_python_module=False,
+             extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
         return all(hasattr(torch.ops.tokenline, op) for op in
                    ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
@@ -56,6 +68,16 @@ def _remove_stale_lock(lock: Path) -> None:
     if age > STALE_LOCK_S:
         log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
         lock.unlink(missing_ok=True)
+
+
+def native_linear_available() -> bool:
+    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
+
+
+def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the bf16 decode kernel can read keys in the packed layout (CpuAttention) on this CPU."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_keys_supported(block_size, head_dim, group))
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
