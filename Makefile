@@ -38,6 +38,13 @@ test: install model
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# On a machine with a GPU and no network, with the Python already there (torch, Triton, transformers, safetensors,
+# pytest; nothing installed): the kernel tests on CUDA, greedy parity with the CPU engine, decode and prefill numbers.
+GPU_PY ?= python3
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check --out results/gpu_check.json $(GPU_CHECK_ARGS)
+
 bench-engine: install model
 	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
 

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache, behind one interface with `torch`, `cpu` and `flash-attn` backends.
+"""Attention over a paged KV cache, behind one interface with `torch`, `cpu`, `triton` and `flash-attn` backends.
 
 Each backend chooses its cache layout per layer. A step's tokens come flattened: first one token per
 decoding request, then each prefilling request's chunk. Token slot ``s`` is offset ``s % block_size`` of
@@ -7,6 +7,7 @@ block ``s // block_size``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,8 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # Decode steps may replay from CUDA graphs: no host sync, no data-dependent shape, padded rows skipped.
+    supports_cuda_graphs = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads = num_heads
@@ -168,6 +171,43 @@ class CpuAttention(TorchAttention):
         return out
 
 
+class TritonAttention(AttentionBackend):
+    """Paged Triton kernels (engine/triton_attention.py) reading K/V in place through the block tables.
+
+    The cache is ``[blocks, block_size, kv_heads, head_dim]``. Decodes take the split-context kernel, prefill
+    chunks (with or without context) the varlen kernel; both read the whole batch's block tables, sequence
+    lengths and query starts.
+    """
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, block_size, num_sms: int = 1):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from engine import triton_attention
+        self._kernels = triton_attention
+        self.num_sms = num_sms
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        ops = self._kernels
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        n = q.shape[0]
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            splits = ops.decode_splits(nd, self.num_kv_heads, meta.max_seq_len, self.num_sms)
+            ops.paged_decode(out[:nd], q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                             splits)
+        num_prefills = meta.seq_lens.shape[0] - nd
+        if num_prefills:
+            ops.paged_prefill(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
+                              num_prefills, meta.max_query_len, self.scale)
+        return out.view(n, self.num_heads * self.head_dim)
+
+
 class FlashAttention(AttentionBackend):
     """flash-attn's varlen kernel reading the paged cache through block tables (CUDA only)."""
 
@@ -191,20 +231,44 @@ class FlashAttention(AttentionBackend):
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
+BACKENDS = ("auto", "torch", "cpu", "triton", "flash-attn")
+FLASH_ATTN_BLOCK = 256  # flash-attn's paged KV reads whole 256-token pages
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """What `auto` means here: `cpu` on CPU when the native kernels build, `triton` on CUDA, `torch` otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; use one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    if device.type == "cpu":
+        from engine.kernels import cpu_kernels_available
+        return "cpu" if cpu_kernels_available() else "torch"
+    if device.type == "cuda":
+        if triton_available():
+            return "triton"
+        log.warning("Triton is not importable; using the torch attention backend on CUDA")
+    return "torch"
+
+
+def effective_block_size(name: str, block_size: int) -> int:
+    """The KV block size a backend runs with: flash-attn needs a multiple of 256, every other one takes any."""
+    if name == "flash-attn" and block_size % FLASH_ATTN_BLOCK:
+        return -(-block_size // FLASH_ATTN_BLOCK) * FLASH_ATTN_BLOCK
+    return block_size
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (CUDA builds of torch bring it; on CPU it comes with the dev extra)
+        return True
+    except ImportError:
+        return False
+
+
 def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int, dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    if name == "auto":
-        name = "torch"
-        if device.type == "cpu":
-            from engine.kernels import cpu_kernels_available
-            if cpu_kernels_available():
-                name = "cpu"
-        elif device.type == "cuda" and block_size % 256 == 0:
-            try:
-                import flash_attn  # noqa: F401
-                name = "flash-attn"
-            except ImportError:
-                log.info("flash-attn is not installed; using the torch attention backend")
+    name = resolve_backend_name(name, device)
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim, block_size)
     if name == "cpu":
@@ -212,10 +276,18 @@ def select_backend(name: str, device: torch.device, num_heads: int, num_kv_heads
         if device.type != "cpu" or not cpu_kernels_available():
             raise ValueError("the cpu attention backend needs a CPU device and a working C++ compiler")
         return CpuAttention(num_heads, num_kv_heads, head_dim, block_size, dtype)
-    if name == "flash-attn":
-        if device.type != "cuda":
-            raise ValueError("the flash-attn backend needs a CUDA device")
-        if block_size % 256:
-            raise ValueError(f"flash-attn's paged KV needs block_size a multiple of 256, got {block_size}")
-        return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)
-    raise ValueError(f"unknown attention backend {name!r}; use auto, torch, cpu or flash-attn")
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("the triton attention backend needs Triton (CUDA builds of torch include it)")
+        if device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        elif device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            num_sms = 1  # Triton's interpreter: the kernels run on CPU tensors, for tests
+        else:
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        return TritonAttention(num_heads, num_kv_heads, head_dim, block_size, num_sms)
+    if device.type != "cuda":
+        raise ValueError("the flash-attn backend needs a CUDA device")
+    if block_size % FLASH_ATTN_BLOCK:
+        raise ValueError(f"flash-attn's paged KV needs block_size a multiple of {FLASH_ATTN_BLOCK}, got {block_size}")
+    return FlashAttention(num_heads, num_kv_heads, head_dim, block_size)

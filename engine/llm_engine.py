@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections import deque
 
 import torch
 
+from engine.attention import effective_block_size
 from engine.config import EngineConfig, ModelArgs, default_num_threads
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
@@ -25,6 +27,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
+        block_size = effective_block_size(config.attention_backend, config.block_size)
+        if block_size != config.block_size:
+            log.info("the %s backend needs KV blocks of %d tokens: block_size %d becomes %d",
+                     config.attention_backend, block_size, config.block_size, block_size)
+            config = dataclasses.replace(config, block_size=block_size)
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
@@ -45,9 +52,15 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, linears=%s",
-                 args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
+        log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d KV blocks of %d tokens, "
+                 "max_model_len %d, linears=%s", args.architecture, config.dtype, config.device,
+                 self.runner.attention_backend, self.cuda_graphs, self.runner.num_blocks, config.block_size,
                  self.max_model_len, self.runner.linear_packing or "F.linear")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps replay captured CUDA graphs."""
+        return self.runner.graph_runner is not None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
