@@ -11,7 +11,7 @@ The headline compares at equal goodput: the replica-seconds Serve's policy needs
 read off its curve (the cheapest target that reaches it, interpolated between neighbours), against ours; and at
 equal replica-seconds, the goodput its curve gives for ours.
 
-    python -m benchmarks.bench_autoscale --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+    python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVS
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import TraceWorkload
 from deployments.autoscaling_config import AutoscalingArgs
+from loadtests.datasets import MOONCAKE_TRACE
 
 log = logging.getLogger("bench_autoscale")
 
@@ -71,7 +72,7 @@ def goodput_at(replica_seconds: float, curve: list[Summary]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", required=True)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--block-size", type=int, default=8, help="prompt tokens per trace hash id")
     parser.add_argument("--time-scale", type=float, default=1.0)
@@ -84,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    requests = TraceWorkload(args.trace, args.block_size, args.time_scale).requests()
+    requests = TraceWorkload(str(args.trace), args.block_size, args.time_scale).requests()
     profile = ReplicaProfile.load(args.profile)
     defaults = AutoscalingArgs()
     serve = ServeAutoscalingConfig(min_replicas=1, max_replicas=args.max_replicas,
@@ -140,7 +141,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "trace": args.trace, "block_size": args.block_size, "time_scale": args.time_scale,
+        "trace": str(args.trace), "block_size": args.block_size, "time_scale": args.time_scale,
         "requests": len(requests), "profile": profile.name, "serve": dataclasses.asdict(serve),
         "startup_s": args.startup_s, "slo": dataclasses.asdict(slo), "seeds": args.seeds,
         "queue_kv": dataclasses.asdict(QueueKVConfig()), "results": [s.as_dict() for s in summaries],

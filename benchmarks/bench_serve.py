@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.plot import plot_bars
 from deployments.config import AppArgs, EngineArgs
 from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -257,6 +261,41 @@ def timeline_cost(levels: list[LevelResult], metric: str, higher_is_better: bool
     return costs
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, str], dict[str, object]]:
+    """NAME[:KEY=VALUE...] -> (name, environment variables, AppArgs overrides)."""
+    import yaml
+
+    name, *pairs = spec.split(":")
+    items = [p.split("=", 1) for p in pairs]
+    return (name, {k: v for k, v in items if k.isupper()},
+            {k: yaml.safe_load(v) for k, v in items if not k.isupper()})
+
+
+def with_overrides(fields: dict, overrides: dict[str, object]) -> dict:
+    """AppArgs fields with `overrides` applied; a dotted key reaches a nested field (engine.num_threads)."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = fields
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return fields
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -272,6 +311,10 @@ def main() -> None:
                                                            "and the step trace on, off, or both in turn")
     parser.add_argument("--repeats", type=int, default=1, help="how many times to serve each configuration, "
                                                                "alternating them")
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        help="serve configurations to compare, each NAME[:KEY=VALUE...]: an upper-case KEY is an "
+                             "environment variable of the app's processes, a lower-case one an AppArgs field, "
+                             "dotted for nested ones (num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1)")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
     args = parser.parse_args()
@@ -291,14 +334,18 @@ def main() -> None:
         report.levels += asyncio.run(bench_engine(config, prompt_sets, args.output_tokens, warmup))
     configs = [(float(interval), timeline) for interval in args.stream_intervals.split(",")
                for timeline in args.timelines.split(",")]
+    variants = [parse_variant(v) for v in args.variants]
     for repeat in range(1, args.repeats + 1):
-        for interval, timeline in configs:
+        for (interval, timeline), (name, env, overrides) in itertools.product(configs, variants):
             label = f"serve(stream_interval={interval:g}s, timeline={timeline})"
+            label += f" {name}" if len(variants) > 1 else ""
             label += f" #{repeat}" if args.repeats > 1 else ""
             app_args = AppArgs(model=args.model, num_engine_replicas=1, engine_num_cpus=args.num_cpus,
                                ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args,
                                timeline=TimelineArgs(enabled=timeline == "on"))
-            served = local.start(app_args, num_cpus=args.num_cpus)
+            app_args = AppArgs.model_validate(with_overrides(app_args.model_dump(), overrides))
+            with environment(env):  # Ray's processes inherit the environment of the one that starts them
+                served = local.start(app_args, num_cpus=args.num_cpus)
             try:
                 report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
                                                         args.output_tokens, warmup))
@@ -313,7 +360,10 @@ def main() -> None:
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(report), indent=2))
-    print(f"wrote {args.out}")
+    png = plot_bars([asdict(r) for r in report.levels], "concurrency", "path",
+                    {"output_tok_s": "output tokens/s", "ttft_p50_s": "TTFT p50 (s)", "itl_p50_s": "ITL p50 (s)"},
+                    args.out.with_suffix(".png"), title="in-process engine against the served app")
+    print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":

@@ -183,5 +183,8 @@ class ModelRunner:
             meta.query_start_loc = to_device(query_start, dev, torch.int32)
             meta.block_tables = to_device(block_tables, dev, torch.int32)
             meta.max_query_len, meta.max_seq_len = max(q_lens), max(seq_lens)
+        if self.backend.uses_token_rows:
+            meta.token_block_tables = to_device(block_tables.index_select(0, req_of_token), dev)
+            meta.token_positions = to_device(positions, dev)
         input_ids = to_device(torch.tensor(ids, dtype=torch.int64), dev)
         return input_ids, to_device(positions, dev), meta, sample_rows

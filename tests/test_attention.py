@@ -18,9 +18,10 @@ def dense_reference(q, k, v):
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def run_mixed_step(backend, dtype, scale=1):
+def run_mixed_step(backend, dtype, scale=1, token_rows=False):
     """Two decodes (contexts 9 and 17, times `scale`) and one prefill chunk of 7 tokens after cached ones, in one
-    step, over shuffled blocks."""
+    step, over shuffled blocks. `token_rows`: also each token's block table and position, as the runner gives
+    backends that read them."""
     torch.manual_seed(0)
     H, KVH, D, BS = backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.block_size
     k_cache = torch.zeros(backend.key_cache_shape(32 * scale), dtype=dtype)
@@ -51,6 +52,10 @@ def run_mixed_step(backend, dtype, scale=1):
                              decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
                              decode_seq_lens=torch.tensor(lengths[:2]),
                              prefills=[PrefillChunk(2, 7, lengths[2] - 7, torch.tensor(tables[2]))])
+    if token_rows:
+        full = [t + [0] * (max(map(len, tables)) - len(t)) for t in tables]
+        meta.token_block_tables = torch.tensor([full[r] for r, n in enumerate(new) for _ in range(n)])
+        meta.token_positions = torch.tensor([p for n_total, n in zip(lengths, new) for p in range(n_total - n, n_total)])
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
     expected = torch.cat([dense_reference(*[t.float() for t in s])[-n:] for s, n in zip(seqs, new)])
     return out.float(), expected
@@ -69,10 +74,12 @@ def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dty
                                                                    "keys stay in the plain layout")
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 32)])
 @pytest.mark.parametrize("scale", [1, 5])  # contexts up to 85 tokens: several blocks, partial last ones
-def test_packed_bf16_keys_give_the_same_attention_as_the_plain_layout(head_dim, block_size, scale):
+@pytest.mark.parametrize("token_rows", [False, True])  # prefill chunks by SDPA, or every token by the native kernel
+def test_packed_bf16_keys_give_the_same_attention_as_the_plain_layout(head_dim, block_size, scale, token_rows):
     packed = CpuAttention(9, 3, head_dim, block_size, torch.bfloat16)
     assert packed.packed_keys and packed.key_cache_shape(2) == (2, 3, head_dim // 2, block_size, 2)
-    out, expected = run_mixed_step(packed, torch.bfloat16, scale)  # SmolLM2's GQA group of 3
+    assert packed.uses_token_rows
+    out, expected = run_mixed_step(packed, torch.bfloat16, scale, token_rows)  # SmolLM2's GQA group of 3
     plain, _ = run_mixed_step(TorchAttention(9, 3, head_dim, block_size), torch.bfloat16, scale)
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
