@@ -53,6 +53,15 @@ serve: install model
 	$(BIN)/python -m deployments.run --http-port $(HTTP_PORT) --dashboard-port $(DASHBOARD_PORT) \
 		--metrics-port $(METRICS_PORT) $(SERVE_CONFIG)
 
+# Structured output: xgrammar against llguidance (installs xgrammar), and output tok/s with and without a schema.
+.PHONY: bench-grammar bench-structured
+bench-grammar: install model
+	$(BIN)/pip install -q -e '.[bench-grammar]'
+	$(BIN)/python -m benchmarks.bench_grammar --model $(MODEL) --out results/bench_grammar.json
+
+bench-structured: install model
+	$(BIN)/python -m benchmarks.bench_structured --model $(MODEL) --out results/bench_structured.json $(BENCH_ARGS)
+
 bench-serve: install model
 	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
 

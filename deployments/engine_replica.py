@@ -76,15 +76,19 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
         entered = time.monotonic()
+        prompts = request.prompts
+        num_choices = request.n * len(prompts)
         refusal = self._refusal(request)
         if refusal is not None:
             yield refusal
             return
-        self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+        for _ in prompts:
+            self.metrics.record_arrival(request.n, request.sampling.max_tokens)
         self._num_active_streams += 1
         try:
-            choices = [self._choice(request, i, entered) for i in range(request.n)]
-            batches = _one_by_one(choices[0]) if request.n == 1 else _merged(choices)
+            choices = [self._choice(request, prompt, i * request.n + j, j, entered)
+                       for i, prompt in enumerate(prompts) for j in range(request.n)]
+            batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
             async for batch in batches:
                 yield batch
                 if self.stream_interval_s:
@@ -97,11 +101,14 @@ class EngineReplica:
 
     def _refusal(self, request: EngineRequest) -> RequestRejected | None:
         """Why this replica will not take the request, if it will not: its input, a full queue, or no time."""
+        prompts = request.prompts
+        num_choices = request.n * len(prompts)
         try:
-            self.engine.validate(request.prompt_token_ids, request.sampling, request.n)
+            for prompt in prompts:
+                self.engine.validate(prompt, request.sampling, request.n)
         except InvalidRequestError as exc:
             return RequestRejected(str(exc), exc.param, exc.code)
-        if not self.engine.has_room(request.n):
+        if not self.engine.has_room(num_choices):
             limit = self.engine.engine.config.max_num_waiting
             return RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
                                    f"engine.max_num_waiting); retry shortly", code="server_overloaded", status=503,
@@ -109,7 +116,7 @@ class EngineReplica:
         if request.deadline is None:
             return None
         backlog_s = self.engine.predicted_wait_s()
-        estimate = self.engine.predicted_finish_s(len(request.prompt_token_ids), request.sampling, request.n)
+        estimate = self.engine.predicted_finish_s(max(map(len, prompts)), request.sampling, num_choices)
         if backlog_s is None or estimate is None:
             return None  # no estimate yet: the count bound above decides alone
         finish_s, alone_s = estimate
@@ -121,11 +128,13 @@ class EngineReplica:
                                f"retry later", code="server_overloaded", status=503,
                                retry_after_s=max(backlog_s, self.retry_after_s))
 
-    async def _choice(self, request: EngineRequest, index: int, entered: float) -> AsyncIterator[GenerationChunk]:
-        params = request.sampling.for_choice(index)
+    async def _choice(self, request: EngineRequest, prompt: list[int], index: int, sample: int,
+                      entered: float) -> AsyncIterator[GenerationChunk]:
+        """Choice `index` of the request: its prompt's `sample`-th sample (n seeded samples must differ)."""
+        params = request.sampling.for_choice(sample)
         last_token_time: float | None = None
         first_chunk_s: float | None = None
-        async for out in self.engine.generate(request.prompt_token_ids, params, f"{request.request_id}-{index}",
+        async for out in self.engine.generate(prompt, params, f"{request.request_id}-{index}",
                                               request.arrival_time or None, request.deadline):
             if out.failure is not None:
                 self.metrics.record_finished("error", out.num_prompt_tokens, out.num_output_tokens, out.timings)
@@ -149,7 +158,7 @@ class EngineReplica:
             yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
                                   finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                                   num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
-                                  logprobs=out.logprobs, timeline=timeline)
+                                  logprobs=out.logprobs, timeline=timeline, prompt_logprobs=out.prompt_logprobs)
 
     def _engine_timeline(self, out: EngineOutput, entered: float, first_chunk_s: float,
                          end_s: float) -> EngineTimeline | None:

@@ -9,6 +9,7 @@ replica that fails before the first token arrives costs the request one retry on
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -24,21 +25,24 @@ from deployments import auth, limits
 from deployments import admin, timeline_recorder
 from deployments.admin import ProfileReply
 from deployments.auth import require_admin_key, require_api_key
+from deployments.chat_template import render_chat
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation, ReplicaLost
 from deployments.http_metrics import HttpMetricsMiddleware
 from deployments.limits import RequestLimitsMiddleware
-from deployments.openai_format import (TokenText, chat_response, chat_stream, completion_response,
-                                       completion_stream, json_response)
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from deployments.openai_format import (Echo, StreamUsage, TokenText, ToolParserFactory, chat_response, chat_stream,
+                                       completion_response, completion_stream, json_response)
+from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                                  SamplingFields, TokenizeRequest)
 from deployments.records import EngineRequest, ModelInfo
-from deployments.responses import ModelCard, ModelList
+from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from deployments.timeline import ROUTING_NOTES, TimelineView
+from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
 from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
-from engine.sampling_params import InvalidRequestError
+from engine.sampling_params import InvalidRequestError, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,21 @@ HEALTH_PROBE_TIMEOUT_S = 5.0
 def _sse(events: Any) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _stream_usage(body: SamplingFields) -> StreamUsage:
+    options = body.stream_options
+    return StreamUsage(final=bool(options and options.include_usage),
+                       continuous=bool(options and options.continuous_usage_stats))
+
+
+def _tool_parser(choice: Any, parallel: bool) -> ToolParserFactory | None:
+    """How the answer's tool calls are read: a named function's arguments, or the formats tool_calls.py reads."""
+    if isinstance(choice, NamedToolChoice):
+        return lambda: NamedCallParser(choice.function.name)
+    if choice == "none":
+        return None
+    return lambda: ToolCallParser(parallel)
 
 
 @serve.ingress(app)
@@ -95,32 +114,58 @@ class OpenAIIngress:
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(self) -> ModelList:
+        return ModelList(data=[await self._model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return await self._model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(require_api_key)])
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            ids = await self._off_loop(self._render, body.messages, body.tools, body.add_generation_prompt)
+        else:
+            ids = await self._off_loop(functools.partial(self.tokenizer.encode, body.prompt,
+                                                         add_special_tokens=body.add_special_tokens))
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.model_path,
-                                         max_model_len=info.limits.max_model_len)])
+        strs = [self.tokens(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.limits.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", dependencies=[Depends(require_api_key)])
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        info = await self._model_info()
+        info.limits.check_token_ids("tokens", body.tokens)
+        return DetokenizeResponse(prompt=await self._off_loop(self.tokenizer.decode, body.tokens))
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(self, body: CompletionRequest) -> Any:
         arrival = time.time()
         self._check_request(body)
-        prompt = body.single_prompt()
         info = await self._model_info()
-        if isinstance(prompt, str):
-            self._check_text_fits(len(prompt), info)
-            prompt_ids, prompt_text = await self._off_loop(self.tokenizer.encode, prompt), prompt
-        else:
-            prompt_ids, prompt_text = list(prompt), ""
-            if body.echo:
-                info.limits.check_token_ids("prompt", prompt_ids)  # decoding an unknown id would fail
-                prompt_text = await self._off_loop(self.tokenizer.decode, prompt_ids)
-        generation, request_id = await self._start(body, "cmpl", prompt_ids, body.max_tokens, body.logprobs,
-                                                    COMPLETIONS_DEFAULT_MAX_TOKENS, arrival)
-        echo = prompt_text if body.echo else ""
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                self._check_text_fits(len(prompt), info)
+                prompts.append(await self._off_loop(self.tokenizer.encode, prompt))
+            else:
+                if body.echo:
+                    info.limits.check_token_ids("prompt", prompt)  # decoding an unknown id would fail
+                prompts.append(list(prompt))
         want_logprobs = body.logprobs is not None
+        echoes = [Echo(p if isinstance(p, str) else self.tokenizer.decode(ids), ids)
+                  for p, ids in zip(body.prompts(), prompts)] if body.echo else None
+        prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = await self._start(body, request_id, prompts, body.max_tokens, body.logprobs,
+                                       COMPLETIONS_DEFAULT_MAX_TOKENS, arrival, prompt_logprobs=prompt_logprobs)
         if body.stream:
-            return _sse(completion_stream(generation, request_id, self.model_name, echo, self.tokens, want_logprobs,
-                                          body.include_usage))
-        response = await completion_response(generation, request_id, self.model_name, echo, self.tokens,
+            return _sse(completion_stream(generation, request_id, self.model_name, echoes, body.n, self.tokens,
+                                          want_logprobs, _stream_usage(body)))
+        response = await completion_response(generation, request_id, self.model_name, echoes, body.n, self.tokens,
                                              want_logprobs)
         return json_response(response, generation)
 
@@ -129,13 +174,22 @@ class OpenAIIngress:
         arrival = time.time()
         self._check_request(body)
         self._check_text_fits(sum(len(m.text()) for m in body.messages), await self._model_info())
-        prompt_ids = await self._off_loop(self._chat_prompt, body)
-        generation, request_id = await self._start(body, "chatcmpl", prompt_ids, body.requested_max_tokens(),
-                                                    body.requested_logprobs(), None, arrival)
+        choice = body.effective_tool_choice
+        prompt_ids = await self._off_loop(self._render, body.messages, body.tools if choice != "none" else None,
+                                          body.add_generation_prompt)
+        forced = forced_tool_output(body.tools or [], choice, body.parallel_tool_calls)
+        if forced is not None and body.structured_output() is not None:
+            raise OpenAIError(400, "tool_choice required or a named function cannot be combined with "
+                                   "response_format or guided_* fields", "tool_choice")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = await self._start(body, request_id, [prompt_ids], body.requested_max_tokens(),
+                                       body.requested_logprobs(), None, arrival, structured=forced)
+        tool_parser = _tool_parser(choice, body.parallel_tool_calls)
         if body.stream:
             return _sse(chat_stream(generation, request_id, self.model_name, self.tokens, body.logprobs,
-                                    body.include_usage))
-        response = await chat_response(generation, request_id, self.model_name, self.tokens, body.logprobs)
+                                    _stream_usage(body), tool_parser))
+        response = await chat_response(generation, request_id, self.model_name, self.tokens, body.logprobs,
+                                       tool_parser)
         return json_response(response, generation)
 
     @app.get("/v1/timelines/{request_id}", dependencies=[Depends(require_admin_key)])
@@ -154,17 +208,22 @@ class OpenAIIngress:
     async def stop_profile(self) -> ProfileReply:
         return await admin.stop_profile(self._engine, self.profiler_dir)
 
-    def _check_request(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}` (see /v1/models)", "model", "model_not_found")
+
+    def _check_request(self, body: SamplingFields) -> None:
+        self._check_model(body.model)
         body.check_supported()
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    async def _model_card(self) -> ModelCard:
+        info = await self._model_info()
+        return ModelCard(id=self.model_name, root=self.model_path, max_model_len=info.limits.max_model_len)
+
+    def _render(self, messages: list, tools: list | None, add_generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
+            text = render_chat(self.tokenizer, messages, tools, add_generation_prompt)
         except Exception as exc:  # the model's template refused this conversation (role order, say)
             raise OpenAIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -180,25 +239,25 @@ class OpenAIIngress:
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def _start(self, body: SamplingFields, kind: str, prompt_ids: list[int], max_tokens: int | None,
-                     logprobs: int | None, default_max_tokens: int | None,
-                     arrival: float) -> tuple[Generation, str]:
-        """Checks the request with the engine's limits, sends it and waits for its first tokens; an engine replica
-        lost before then is retried once, elsewhere."""
+    async def _start(self, body: SamplingFields, request_id: str, prompts: list[list[int]], max_tokens: int | None,
+                     logprobs: int | None, default_max_tokens: int | None, arrival: float,
+                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> Generation:
+        """Checks the request with the engine's limits, sends it (every prompt in one engine call) and waits for
+        its first tokens; an engine replica lost before then is retried once, elsewhere."""
         timeline = current_timeline()
         timeline.prompt_ready()
-        info = await self._model_info()
-        bounds = info.limits
+        bounds = (await self._model_info()).limits
         if max_tokens is None:
             capacity = min(bounds.max_model_len, bounds.num_kv_blocks * bounds.block_size)
-            max_tokens = default_max_tokens or max(capacity - len(prompt_ids), 1)
-        params = body.sampling_params(max_tokens, logprobs)
+            max_tokens = default_max_tokens or max(capacity - max(map(len, prompts)), 1)
         try:
-            bounds.check(prompt_ids, params, body.n)
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
+            for prompt in prompts:
+                bounds.check(prompt, params, body.n)
         except InvalidRequestError as exc:
             raise OpenAIError.invalid(exc, body.field_name(exc.param)) from exc
-        request_id = f"{kind}-{uuid.uuid4().hex}"
-        request = EngineRequest(request_id, prompt_ids, params, body.n, arrival, limits.request_deadline())
+        request = EngineRequest(request_id, prompts[0], params, body.n, arrival, limits.request_deadline(),
+                                more_prompt_token_ids=prompts[1:])
         timeline.dispatching(request_id)
         try:
             generation = await self._send(request, body, timeline)
@@ -212,12 +271,12 @@ class OpenAIIngress:
                 raise OpenAIError(500, "the request failed on two engine replicas in a row; it was not retried "
                                        "further", code="engine_replica_lost") from exc
         self._engine_answered_at = time.monotonic()
-        return generation, request_id
+        return generation
 
     async def _send(self, request: EngineRequest, body: SamplingFields, timeline: Any) -> Generation:
-        stops, skip_special, prompt_ids = request.sampling.stop, body.skip_special_tokens, request.prompt_token_ids
-        generation = Generation(self._stream.generate.remote(request), request.n, len(prompt_ids),
-                                lambda: IncrementalDetokenizer(self.tokenizer, stops, prompt_ids, skip_special),
+        stops, skip_special, n, prompts = request.sampling.stop, body.skip_special_tokens, request.n, request.prompts
+        generation = Generation(self._stream.generate.remote(request), n, [len(p) for p in prompts],
+                                lambda i: IncrementalDetokenizer(self.tokenizer, stops, prompts[i // n], skip_special),
                                 timeline)
         try:
             await generation.start()

@@ -11,15 +11,22 @@ from engine.sampling_params import SamplingParams
 
 @dataclass
 class EngineRequest:
-    """One prompt, already tokenized, to be sampled ``n`` times on one replica (so the copies share its prefix cache)."""
+    """A prompt, already tokenized, to be sampled ``n`` times on one replica (so the copies share its prefix cache);
+    a completions batch adds its other prompts, each sampled ``n`` times too (choice i * n + j is prompt i's j-th).
+    One Serve call per HTTP request: Serve's router keys a call by its HTTP request's id."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the first prompt: the one the router scores replicas by
     sampling: SamplingParams
     n: int = 1
     arrival_time: float = 0.0
     deadline: float | None = None  # time.time() past which nobody waits for the answer
     avoid_replicas: tuple[str, ...] = ()  # replicas that already failed this request: routed to last
+    more_prompt_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_token_ids, *self.more_prompt_token_ids]
 
 
 @dataclass
@@ -50,6 +57,7 @@ class GenerationChunk:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timeline: EngineTimeline | None = None  # on a choice's final chunk, when timelines are on
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first chunk, when asked for
 
 
 @dataclass

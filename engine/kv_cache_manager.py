@@ -36,7 +36,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a request that holds no blocks yet, in whole blocks."""
-        if not self.enable_caching:
+        # Prompt logprobs come from the prefill's logits: a request that asks for them computes every prompt token.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         # The last token is always recomputed: its logits are needed to sample the next one.
         max_blocks = (request.num_tokens - 1) // self.block_size

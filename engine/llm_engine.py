@@ -6,6 +6,7 @@ that leaves the engine's state unknown (engine.failures.leaves_state_unknown) pr
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -26,6 +27,7 @@ from engine.request import EventKind, Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import GrammarCompiler, GrammarState, check_grammar
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,14 @@ class LLMEngine:
         self.model_args = args
         limit = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.runner = ModelRunner(config, args, weights, self.max_model_len)
+        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
+        # Structured output: the grammar's end is the model's first end-of-sequence token.
+        self.grammars = GrammarCompiler(config.model, args.vocab_size, self.eos_token_ids[0]) \
+            if self.eos_token_ids else None
+        self.runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars)
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
-        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
         self.requests: dict[str, Request] = {}
         self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.runner.num_blocks, config.block_size)
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)
@@ -77,6 +82,11 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
         self.limits.check(prompt_token_ids, params, n)
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("this model has no end-of-sequence token, so structured output cannot "
+                                          "end; send the request without it", "response_format")
+            check_grammar(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, deadline: float | None = None,
@@ -89,6 +99,8 @@ class LLMEngine:
             self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_ids,
                           arrival_time, record_events=self.config.record_request_events, deadline=deadline)
+        if params.structured_output is not None:
+            request.grammar = GrammarState(self.grammars.submit(params.structured_output))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.backlog = self.backlog.plus([self.output_lengths.job_of(request)])
@@ -107,22 +119,27 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         start, t0 = time.time(), time.perf_counter()
+        outputs = self._fail_broken_grammars()
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:
-            return self._fail_batch(self.scheduler.last_output, {}, exc, "scheduling")
+            return outputs + self._fail_batch(self.scheduler.last_output, {}, exc, "scheduling")
         for request in sched.expired:
             del self.requests[request.request_id]
-        outputs = [self._output(r, [], []) for r in sched.expired]
+        outputs += [self._output(r, [], []) for r in sched.expired]
         self._finished += len(sched.expired)
         if sched.is_empty:
             self._refresh_backlog()
+            self._wait_for_grammars()
             return outputs
         schedule_s = time.perf_counter() - t0
         # KV is computed up to here for each request; a failed step leaves nothing valid past it.
         computed = {s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
         decodes = [s.is_decode for s in sched.scheduled]
         try:
+            for s in sched.scheduled:
+                if s.request.grammar is not None:
+                    s.request.grammar.start(s.request.output_token_ids)
             self._raise_injected_fault(sched)
             sampled = self.runner.execute(sched.scheduled)
             sampled_outputs = self._advance(sched, sampled)
@@ -147,6 +164,8 @@ class LLMEngine:
                 continue
             token, logprobs = sampled[request.request_id]
             request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.timings.first_token is None:
@@ -270,7 +289,29 @@ class LLMEngine:
             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions, logprobs=logprobs, timings=request.timings if done else None,
-            failure=request.failure)
+            failure=request.failure,
+            prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else [])
+
+    def _fail_broken_grammars(self) -> list[EngineOutput]:
+        """Ends waiting requests whose grammar failed to compile (the border's check lets few through)."""
+        broken = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready and r.grammar.error]
+        outputs = []
+        for request in broken:
+            log.warning("request %s: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            request.failure = RequestFailure(FailureKind.INVALID_REQUEST,
+                                             f"the structured output could not be compiled: {request.grammar.error:.500}",
+                                             "invalid_grammar", "response_format")
+            del self.requests[request.request_id]
+            self._finished += 1
+            outputs.append(self._output(request, [], []))
+        return outputs
+
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """Nothing could run: rather than spin, wait briefly for a grammar still compiling (if any)."""
+        pending = [r.grammar.future for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def stats(self) -> EngineStats:
         return EngineStats(

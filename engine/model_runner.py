@@ -16,8 +16,11 @@ from engine.models.llama import LlamaForCausalLM
 from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, sampled_to_host
 from engine.scheduler import ScheduledRequest
+from engine.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x 49k vocab: 48 MiB in fp32)
 
 
 @dataclass
@@ -31,8 +34,9 @@ class StepTimes:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, args: ModelArgs, weights: dict[str, torch.Tensor],
-                 max_model_len: int) -> None:
+                 max_model_len: int, grammars: GrammarCompiler | None = None) -> None:
         self.config = config
+        self.grammars = grammars
         self.args = args
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -93,7 +97,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self._prepare(ordered)
         requests = [s.request for s, _ in sample_rows]
         # Built while the GPU runs nothing yet: its host-to-device copies then wait for no kernel.
-        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device) if requests else None
+        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device, self.grammars) \
+            if requests else None
         t1 = time.perf_counter()
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(meta, input_ids.shape[0]):
@@ -102,6 +107,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         t2 = time.perf_counter()
         self.times = StepTimes(t1 - t0, t2 - t1)
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in ordered):
+            self._prompt_logprobs(ordered, hidden)
         if batch is None:
             return {}
         logits = self.model.compute_logits(hidden[to_device(torch.tensor([i for _, i in sample_rows]), self.device)])
@@ -113,6 +120,25 @@ class ModelRunner:
             results[requests[i].request_id] = (tokens[i], lp)
         self.times.sample_s = time.perf_counter() - t2
         return results
+
+    def _prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Appends to each asking request the logprobs of the prompt tokens this step's chunk predicts (position
+        p's logits give token p + 1's logprob); a chunk recomputed after a preemption adds none twice."""
+        offset = 0
+        for s in ordered:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            want = r.sampling_params.prompt_logprobs
+            first = max(start + 1, len(r.prompt_logprobs) + 1)  # prompt token index of the first new entry
+            last = min(start + n, r.num_prompt_tokens - 1)
+            if want is not None and first <= last:
+                for lo in range(first, last + 1, PROMPT_LOGPROBS_ROWS):  # bounds the [rows, vocab] logits
+                    hi = min(lo + PROMPT_LOGPROBS_ROWS, last + 1)
+                    rows = torch.arange(offset + lo - 1 - start, offset + hi - 1 - start, device=self.device)
+                    logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+                    targets = torch.tensor(r.prompt_token_ids[lo:hi], device=self.device)
+                    r.prompt_logprobs.extend(sampled_to_host(targets, logprobs, list(range(hi - lo)),
+                                                             [want] * (hi - lo))[1])
+            offset += n
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -22,11 +22,14 @@ class EngineOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timings: RequestTimings | None = None  # set on the final output
     failure: RequestFailure | None = None  # why it finished with "error"
+    # Logprobs of prompt tokens 1.. when the request asked for them; on its first output only.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def merge(self, later: "EngineOutput") -> "EngineOutput":
         """Coalesce two outputs of one request (streaming in fewer, larger messages)."""
         self.new_token_ids = self.new_token_ids + later.new_token_ids
         self.logprobs = self.logprobs + later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
         for name in ("finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "num_preemptions",
                      "timings", "failure"):
             setattr(self, name, getattr(later, name))

@@ -11,6 +11,7 @@ import torch
 from engine.failures import RequestFailure
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -117,6 +118,14 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.grammar: GrammarState | None = None  # set by the engine for structured output
+        # Logprobs of prompt tokens 1.. (when asked for), filled chunk by chunk during prefill.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def ready(self) -> bool:
+        """False while its grammar compiles: the scheduler schedules others meanwhile."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,6 +158,8 @@ class Request:
         if self.num_output_tokens >= params.min_tokens:
             if last in self.stop_ids or (not params.ignore_eos and last in self.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:  # the grammar took its end: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -97,13 +97,19 @@ class Scheduler:
                 i += 1
 
         # Admitting new work while preempting would only thrash the pool.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            request = out.considering = self.waiting[0]
+        skipped = 0  # requests at the head whose grammar still compiles: they keep their place, others go
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs \
+                and not out.preempted:
+            request = self.waiting[skipped]
+            if not request.ready:
+                skipped += 1
+                continue
+            out.considering = request
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
