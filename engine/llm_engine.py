@@ -11,7 +11,8 @@ from engine.config import EngineConfig, ModelArgs, default_num_threads
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineOutput, EngineStats, SchedulerStats
+from engine.kernels import kernel_load
+from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.request import EventKind, Request, RequestStatus
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
@@ -23,6 +24,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
+        started = time.perf_counter()
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
@@ -30,7 +32,9 @@ class LLMEngine:
         self.model_args = args
         limit = args.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
+        loaded = time.perf_counter()
         self.runner = ModelRunner(config, args, weights, self.max_model_len)
+        built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
@@ -40,6 +44,10 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
+        kernels = kernel_load()
+        self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
+                                     kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
+                                     time.perf_counter() - started)
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, prepacked=%s",
                  args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
                  self.max_model_len, self.runner.prepacked)
@@ -93,15 +101,18 @@ class LLMEngine:
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
         outputs: list[EngineOutput] = []
-        prefill_tokens = decode_tokens = prefill_reqs = 0
+        prefill_tokens = decode_tokens = prefill_reqs = context_tokens = 0
+        attention = 0.0
         finished = 0
         for s in sched.scheduled:
             request = s.request
             if s.num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
                 decode_tokens += 1
+                context_tokens += request.num_computed_tokens + 1
                 request.timings.num_decode_steps += 1
             else:
                 prefill_tokens += s.num_new_tokens
+                attention += s.num_new_tokens * (request.num_computed_tokens + s.num_new_tokens / 2) / 1e6
                 prefill_reqs += 1
                 request.timings.prefill_chunks.append((now, s.num_new_tokens))
                 request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
@@ -135,7 +146,8 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
             num_prefill_requests=prefill_reqs, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished))
+            prefix_cache_hits=prefix.hits, num_finished=finished, num_context_tokens=context_tokens,
+            prefill_attention=attention))
         return outputs
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:

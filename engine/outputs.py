@@ -49,6 +49,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up this step
     prefix_cache_hits: int
     num_finished: int
+    num_context_tokens: int = 0  # tokens of KV the decodes attended to, summed (the step model's context term)
+    prefill_attention: float = 0.0  # prefill chunks' (query, key) pairs, in millions
 
 
 @dataclass
@@ -68,3 +70,15 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_finished_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStartup:
+    """Where an engine's construction went: reading the weights, building the model (prepacking included), and
+    within that the native kernels (compiled when `kernels_built`, a build-cache miss)."""
+
+    weights_s: float  # 0 when the caller handed the weights in
+    model_s: float
+    kernels_s: float
+    kernels_built: bool
+    total_s: float

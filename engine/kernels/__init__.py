@@ -4,10 +4,13 @@ Everything here is optional: if the compiler or build fails, callers fall back t
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +18,16 @@ import torch
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+_load_report: list["KernelLoad"] = []
+
+
+@dataclass(frozen=True)
+class KernelLoad:
+    """How this process got its CPU kernels: the seconds it took, and whether they had to be compiled (a build
+    cache miss: the sources changed, or this machine never built them)."""
+
+    seconds: float
+    built: bool
 NAME = "tokenline_cpu_kernels"
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
@@ -25,8 +38,39 @@ def cpu_kernels_available() -> bool:
     """Builds (once per machine, ~30 s) and loads the CPU kernels; False if that is not possible here."""
     with _lock:
         if "cpu" not in _state:
+            started = time.perf_counter()
+            before = _newest_library()
             _state["cpu"] = _load()
+            after = _newest_library()
+            _load_report.append(KernelLoad(time.perf_counter() - started, after is not None and after != before))
         return _state["cpu"]
+
+
+def kernel_load() -> KernelLoad | None:
+    """How the kernels were loaded in this process; None before any engine asked for them."""
+    return _load_report[0] if _load_report else None
+
+
+@functools.cache
+def build_name() -> str:
+    """The build's name carries a digest of the sources: torch's builder keeps one build per name and rebuilds it
+    whenever the sources differ, so two checkouts (or versions) sharing a machine would otherwise rebuild on
+    every engine start that alternates between them (~20 s here)."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.cpp")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return f"{NAME}_{digest.hexdigest()[:12]}"
+
+
+def _newest_library() -> float | None:
+    """The newest modification time among the built libraries (torch's builder names them NAME[_vN].so)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        libraries = Path(_get_build_directory(build_name(), verbose=False)).glob("*.so")
+        return max((lib.stat().st_mtime for lib in libraries), default=None)
+    except Exception:  # no build directory: nothing was built
+        return None
 
 
 def _load() -> bool:
@@ -35,9 +79,9 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _remove_stale_lock(Path(_get_build_directory(NAME, verbose=False)) / "lock")
+        _remove_stale_lock(Path(_get_build_directory(build_name(), verbose=False)) / "lock")
         here = Path(__file__).parent
-        load(name=NAME, sources=[str(here / "paged_attention_cpu.cpp"),
+        load(name=build_name(), sources=[str(here / "paged_attention_cpu.cpp"),
                                                     str(here / "layers_cpu.cpp")], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
              extra_ldflags=["-fopenmp"], verbose=False)
