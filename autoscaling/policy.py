@@ -173,10 +173,13 @@ def signals_from_context(ctx: Any) -> DeploymentSignals:
         values = {name: by_replica[replica_id] for name, by_replica in metrics.items() if replica_id in by_replica}
         replicas.append(replica_signals(values))
     now = ctx.current_time if ctx.current_time is not None else time.time()
+    config = ctx.config
     return DeploymentSignals(current_replicas=ctx.current_num_replicas, target_replicas=ctx.target_num_replicas,
                              min_replicas=ctx.capacity_adjusted_min_replicas,
                              max_replicas=ctx.capacity_adjusted_max_replicas,
-                             total_ongoing=float(ctx.total_num_requests or 0.0), replicas=tuple(replicas), now=now)
+                             total_ongoing=float(ctx.total_num_requests or 0.0), replicas=tuple(replicas), now=now,
+                             upscale_delay_s=config.upscale_delay_s, look_back_period_s=config.look_back_period_s,
+                             metrics_interval_s=config.metrics_interval_s)
 
 
 class QueueKVPolicy:
