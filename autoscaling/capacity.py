@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
-
 import numpy as np
 
 from autoscaling.step_model import ReplicaProfile
@@ -63,8 +61,10 @@ class SLO:
             raise ValueError(f"the SLO percentile is a fraction in [0.5, 1); got {self.percentile}")
 
 
-class StepStats(Protocol):
-    """One engine step, as engine.outputs.SchedulerStats records it (the simulator keeps the same names)."""
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step as the capacity model reads it. engine.outputs.SchedulerStats carries the same fields
+    (the engine replica hands those in as they are); the simulated replica makes these."""
 
     time: float
     duration_s: float

@@ -182,22 +182,38 @@ def signals_from_context(ctx: Any) -> DeploymentSignals:
                              metrics_interval_s=config.metrics_interval_s)
 
 
-class QueueKVPolicy:
-    """Ray Serve's custom autoscaling policy hook: Serve builds it once with `policy_kwargs` (the QueueKVConfig
-    fields) and calls it every control-loop tick with an AutoscalingContext; it returns (replicas, policy_state).
-    Its own state lives in `policy_state`, so a rebuilt policy carries on where the last one stopped."""
+class ServePolicy:
+    """Ray Serve's custom autoscaling policy hook: Serve builds it once with `policy_kwargs` (the fields of the
+    policy's config) and calls it every control-loop tick with an AutoscalingContext; it returns (replicas,
+    policy_state). Its own state lives in `policy_state` under `state_key`, so a rebuilt policy carries on where
+    the last one stopped. A policy is its config type, its pure decision function and its state key."""
+
+    config_type: type
+    state_key: str
 
     def __init__(self, **policy_kwargs: Any) -> None:
-        self.config = QueueKVConfig(**policy_kwargs)
+        self.config = self.config_type(**policy_kwargs)
+
+    @staticmethod
+    def decide(signals: DeploymentSignals, config: Any, state: dict[str, Any]) -> Decision:
+        raise NotImplementedError
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         signals = signals_from_context(ctx)
-        previous = dict(ctx.policy_state.get(STATE_KEY) or {})
-        decision = queue_kv_decision(signals, self.config, previous)
+        previous = dict(ctx.policy_state.get(self.state_key) or {})
+        decision = self.decide(signals, self.config, previous)
         if decision.num_replicas != signals.target_replicas:
             log.info("%s: %d -> %d replicas: %s", ctx.deployment_name, signals.target_replicas,
                      decision.num_replicas, decision.reason)
-        return decision.num_replicas, {STATE_KEY: decision.state}
+        return decision.num_replicas, {self.state_key: decision.state}
 
     def __repr__(self) -> str:
-        return f"QueueKVPolicy({asdict(self.config)})"
+        return f"{type(self).__name__}({asdict(self.config)})"
+
+
+class QueueKVPolicy(ServePolicy):
+    """`"policy_function": "autoscaling.policy:QueueKVPolicy"`, `policy_kwargs`: the QueueKVConfig fields."""
+
+    config_type = QueueKVConfig
+    state_key = STATE_KEY
+    decide = staticmethod(queue_kv_decision)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from autoscaling.capacity import StepStats
 from autoscaling.replica_load import ReplicaLoad
 from autoscaling.signals import ReplicaSignals, replica_signals
 from autoscaling.step_model import EngineShape, StepTimeModel
@@ -44,22 +45,10 @@ class SimRequest:
         return self.finish_s is not None or self.failed is not None
 
 
-@dataclass(frozen=True)
-class SimStepStats:
-    """A simulated step under the names engine.outputs.SchedulerStats gives them (autoscaling.capacity reads them)."""
-
-    time: float
-    duration_s: float
-    num_prefill_tokens: int
-    num_decode_requests: int
-    num_context_tokens: int
-    prefill_attention: float
-
-
 @dataclass
 class ScheduledStep:
     batch: list[tuple[SimRequest, int]] = field(default_factory=list)
-    stats: SimStepStats | None = None
+    stats: StepStats | None = None
 
     @property
     def seconds(self) -> float:
@@ -185,7 +174,7 @@ class SimReplica:
         self.state, self.stopped_at = "stopped", now
         return lost
 
-    def _stats(self, step: ScheduledStep, now: float) -> SimStepStats:
+    def _stats(self, step: ScheduledStep, now: float) -> StepStats:
         prefill = decodes = context = 0
         attention = 0.0
         for request, num_new in step.batch:
@@ -196,7 +185,7 @@ class SimReplica:
                 prefill += num_new
                 attention += num_new * (request.computed + num_new / 2) / 1e6
         seconds = self.step_model.seconds(prefill, decodes, context, attention)
-        return SimStepStats(now, seconds, prefill, decodes, context, attention)
+        return StepStats(now, seconds, prefill, decodes, context, attention)
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.engine.block_size)

@@ -7,41 +7,32 @@ and the load it is offered (requests and tokens of work arriving per second: aut
    forecasts it one lead time ahead with Holt's linear trend (autoscaling/forecast.py), on requests and on tokens,
    since a replica asked for now serves only after the lead time: its start-up (learned from the replicas this
    policy asked for, `startup_s` until then), Serve's upscale delay, and the age of the metrics;
-2. asks for the fewest replicas whose capacity, less the headroom, covers the larger of the load now and its
-   forecast, plus what it takes to drain the queued requests within the lead time;
-3. scales in one replica at a time, only when one replica fewer would still cover it, every replica has reported,
-   and no replica was overloaded for a lead time;
+2. asks for the fewest replicas whose capacity, less the headroom (autoscaling/headroom.py: how far the load has
+   outgrown the policy's own plans within a lead time, at the SLO's percentile), covers the larger of the load
+   now and its forecast, plus what it takes to drain the queued requests within the lead time: one replica at
+   what it sustains alone, more at what each sustains beside the others;
+3. scales in only when fewer replicas would still cover that, every replica has reported, and no replica was
+   overloaded for a lead time;
 4. keeps the queue + KV policy as a safety net (autoscaling/policy.py, its waiting mark set to the requests a
    replica gets through in one TTFT objective): past its high marks it scales out whatever the forecast says.
-
-The headroom covers what the forecast cannot: the load's own randomness over the lead time. Arrivals over the
-lead time are Poisson and each brings a random amount of work, so the relative spread of the work arriving is
-`sqrt((1 + cv^2) / (arrivals per second * lead time))`; the headroom is that spread at the SLO's percentile
-(a normal quantile), with cv^2 = 1 (work spread like an exponential) unless `headroom` is set. Large deployments
-see more arrivals per lead time and keep a smaller share free.
 
 `slo_decision` is a pure function of DeploymentSignals, an SLOConfig and the state it returned last time;
 `SLOPolicy` adapts it to Ray Serve (`"policy_function": "autoscaling.slo_policy:SLOPolicy"`).
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 from dataclasses import asdict, dataclass
-from statistics import NormalDist
 from typing import Any
 
 from autoscaling.capacity import SLO
 from autoscaling.forecast import Holt, HoltState
-from autoscaling.policy import Decision, QueueKVConfig, measured_load, queue_kv_decision, signals_from_context
+from autoscaling.headroom import observed_headroom, prior_headroom
+from autoscaling.policy import Decision, QueueKVConfig, ServePolicy, measured_load, queue_kv_decision
 from autoscaling.signals import DeploymentSignals
 from autoscaling.step_model import DEFAULT_PROFILE
 
-log = logging.getLogger("ray.serve")
-
 STATE_KEY = "tokenline_slo"
-WORK_CV2 = 1.0  # squared coefficient of variation of a request's work, for the derived headroom
 
 
 @dataclass(frozen=True)
@@ -54,7 +45,7 @@ class SLOConfig:
     ttft_s: float = SLO.ttft_s
     itl_s: float = SLO.itl_s
     percentile: float = SLO.percentile
-    # Share of capacity kept free; None derives it from the percentile and the arrivals per lead time.
+    # Share of capacity kept free; None: how far the load outgrew the policy's plans, at the percentile.
     headroom: float | None = None
     # Replica asked for -> serving, until the policy has measured one (the measured cold start; README).
     startup_s: float = 15.0
@@ -100,16 +91,6 @@ class Plan:
                 f"{self.headroom:.0%} headroom: {self.replicas} replicas")
 
 
-def derived_headroom(arrivals_per_s: float, lead_s: float, percentile: float) -> float:
-    """The share of capacity the load's randomness over one lead time takes, at the SLO's percentile."""
-    expected = arrivals_per_s * lead_s
-    if expected <= 0:
-        return 0.5
-    spread = math.sqrt((1 + WORK_CV2) / expected)
-    z = NormalDist().inv_cdf(percentile)
-    return min(0.5, z * spread / (1 + z * spread))
-
-
 def lead_time_s(signals: DeploymentSignals, startup_s: float) -> float:
     """A replica asked for now serves after this: Serve's delay, its start-up, and the metrics' mean age."""
     return signals.upscale_delay_s + startup_s + signals.look_back_period_s / 2 + signals.metrics_interval_s
@@ -153,8 +134,11 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
     if signals.all_reported:
         waiting += max(0.0, signals.total_ongoing - sum(r.num_waiting + r.num_running for r in reported))
     needed = max(demand, forecast) + waiting * per_request / lead
-    headroom = config.headroom if config.headroom is not None else derived_headroom(
-        max(arrivals, arrivals_state.level), lead, config.percentile)
+    headroom = config.headroom
+    if headroom is None:
+        headroom = observed_headroom(state, now, needed, demand_state.level, lead, config.percentile)
+    if headroom is None:
+        headroom = prior_headroom(max(arrivals, arrivals_state.level), lead, config.percentile)
     idle = demand == 0 and signals.total_ongoing == 0
     if idle:
         wanted = 0
@@ -209,22 +193,9 @@ def _holt(saved: dict[str, float] | None) -> HoltState | None:
     return HoltState(**saved) if saved else None
 
 
-class SLOPolicy:
-    """Ray Serve's custom autoscaling policy hook (see QueueKVPolicy): built once with `policy_kwargs` (the
-    SLOConfig fields), called every control-loop tick with an AutoscalingContext; its state lives in
-    `policy_state`."""
+class SLOPolicy(ServePolicy):
+    """`"policy_function": "autoscaling.slo_policy:SLOPolicy"`, `policy_kwargs`: the SLOConfig fields."""
 
-    def __init__(self, **policy_kwargs: Any) -> None:
-        self.config = SLOConfig(**policy_kwargs)
-
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        signals = signals_from_context(ctx)
-        previous = dict(ctx.policy_state.get(STATE_KEY) or {})
-        decision = slo_decision(signals, self.config, previous)
-        if decision.num_replicas != signals.target_replicas:
-            log.info("%s: %d -> %d replicas: %s", ctx.deployment_name, signals.target_replicas,
-                     decision.num_replicas, decision.reason)
-        return decision.num_replicas, {STATE_KEY: decision.state}
-
-    def __repr__(self) -> str:
-        return f"SLOPolicy({dataclasses.asdict(self.config)})"
+    config_type = SLOConfig
+    state_key = STATE_KEY
+    decide = staticmethod(slo_decision)

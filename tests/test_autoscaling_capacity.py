@@ -7,10 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from autoscaling.capacity import SLO, CapacityModel, RequestSizes, StepWindow
+from autoscaling.capacity import SLO, CapacityModel, RequestSizes, StepStats, StepWindow
 from autoscaling.demand import DemandMeter
 from autoscaling.forecast import Holt
-from autoscaling.replica import SimStepStats
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
@@ -30,10 +29,10 @@ def mix(seed: int = 1, n: int = 512, **lengths) -> list[RequestSpec]:
     return ShapedWorkload("steps", duration_s=4 * n, rate=1.0, seed=seed, **lengths).requests()[:n]
 
 
-def steps_like_the_profile(slowdown: float, start: float = 0.0, count: int = 200) -> list[SimStepStats]:
+def steps_like_the_profile(slowdown: float, start: float = 0.0, count: int = 200) -> list[StepStats]:
     """Steps of a decode batch, each `slowdown` times as long as the profile predicts."""
     predicted = PROFILE.step_model.seconds(0, 16, 16 * 400, 0.0)
-    return [SimStepStats(start + i * predicted * slowdown, predicted * slowdown, 0, 16, 16 * 400, 0.0)
+    return [StepStats(start + i * predicted * slowdown, predicted * slowdown, 0, 16, 16 * 400, 0.0)
             for i in range(count)]
 
 

@@ -11,10 +11,12 @@ from pydantic import ValidationError
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.signals import DeploymentSignals, ReplicaSignals
 from autoscaling.simulator import ClusterConfig, SLOSimPolicy, simulate
-from autoscaling.slo_policy import STATE_KEY, SLOConfig, SLOPolicy, derived_headroom, lead_time_s, slo_decision
+from autoscaling.headroom import MIN_SAMPLES, SAMPLE_S, observed_headroom, prior_headroom
+from autoscaling.slo_policy import STATE_KEY, SLOConfig, SLOPolicy, lead_time_s, slo_decision
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import RequestSpec, ShapedWorkload
 from deployments.autoscaling_config import AutoscalingArgs, engine_autoscaling_config
+from tests.test_autoscaling_policy import signals as queue_kv_signals
 
 FIXED = SLOConfig(headroom=0.2)  # a stated headroom, so the cases below read in round numbers
 CAPACITY = 500.0  # tokens/s one replica sustains at the SLO beside others
@@ -28,15 +30,10 @@ def replica(demand: float, arrivals: float | None = None, waiting: float = 0.0, 
                           arrivals_per_s=demand / 400 if arrivals is None else arrivals)
 
 
-def signals(replicas, target: int | None = None, ongoing: float | None = None, low: int = 1, high: int = 8,
-            now: float = 1000.0) -> DeploymentSignals:
-    replicas = tuple(replicas)
-    if ongoing is None:
-        ongoing = sum(r.num_running + r.num_waiting for r in replicas if r is not None)
-    return DeploymentSignals(current_replicas=len(replicas), target_replicas=len(replicas) if target is None
-                             else target, min_replicas=low, max_replicas=high, total_ongoing=ongoing,
-                             replicas=replicas, now=now, upscale_delay_s=10.0, look_back_period_s=10.0,
-                             metrics_interval_s=1.0)
+def signals(replicas, **kwargs) -> DeploymentSignals:
+    """As the queue + KV policy's tests build them, with Serve's delays of AppArgs."""
+    return dataclasses.replace(queue_kv_signals(replicas, **kwargs), upscale_delay_s=10.0, look_back_period_s=10.0,
+                               metrics_interval_s=1.0)
 
 
 def settled(load: list[ReplicaSignals], **kwargs) -> dict:
@@ -125,10 +122,24 @@ def test_the_start_up_it_measures_replaces_the_configured_one_in_its_lead_time()
     assert lead_time_s(signals([replica(100.0)]), state["startup_s"]) == 10.0 + 40.0 + 5.0 + 1.0
 
 
-def test_the_derived_headroom_shrinks_as_more_requests_arrive_per_lead_time():
-    few, many = derived_headroom(0.5, 30.0, 0.95), derived_headroom(20.0, 30.0, 0.95)
+def test_before_it_has_seen_its_plans_come_true_the_headroom_is_the_poisson_spread_over_a_lead_time():
+    few, many = prior_headroom(0.5, 30.0, 0.95), prior_headroom(20.0, 30.0, 0.95)
     assert 0 < many < few <= 0.5
-    assert derived_headroom(2.0, 30.0, 0.99) > derived_headroom(2.0, 30.0, 0.9)
+    assert prior_headroom(2.0, 30.0, 0.99) > prior_headroom(2.0, 30.0, 0.9)
+
+
+def test_the_headroom_is_how_far_the_load_outgrew_the_plans_one_lead_time_later_at_the_percentile():
+    state: dict = {}
+    lead = 30.0
+    steady = [observed_headroom(state, i * SAMPLE_S, 100.0, 100.0, lead, 0.95) for i in range(60)]
+    assert steady[MIN_SAMPLES] is None and steady[-1] == 0.0  # no surprise: no headroom
+    bursty: dict = {}
+    for i in range(240):  # one 30 s burst of twice the load every 4 minutes, unforeseen each time
+        load = 200.0 if (i * SAMPLE_S) % 240 < 30 else 100.0
+        headroom = observed_headroom(bursty, i * SAMPLE_S, 100.0, load, lead, 0.95)
+    assert headroom == pytest.approx(0.5)  # 1 - 1 / 2: the bursts are more than 5% of the time
+    assert headroom == observed_headroom(bursty, 239 * SAMPLE_S + 1.0, 100.0, 100.0, lead, 0.95)
+    assert len(bursty["plans"]) <= 1200.0 / SAMPLE_S + 1
 
 
 def test_serve_adapter_reads_capacity_from_aggregated_metrics_and_keeps_its_state_under_its_key():
