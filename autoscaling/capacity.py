@@ -20,7 +20,7 @@ rate both alone and as one of several. The sustainable rate is the largest at wh
 counting only requests that can meet the objectives at all: a prompt whose prefill alone takes longer than
 `ttft_s` misses on any number of replicas, and must not drive the count. It is bounded too by `max_num_seqs`
 decodes at once and by the KV pool at the requests' context. (Checked against the simulated replica on synthetic
-request mixes: the rate at which 5% miss, within about 10%; tests/test_autoscaling_capacity.py.)
+request mixes: the rate at which 5% miss, within about 15% either way; tests/test_autoscaling_capacity.py.)
 
 Request sizes are the replica's recent requests (or, before any has finished, the replica profile's held-out
 workload); what a step costs is the profile's step model, scaled by how much slower (or faster) this replica's
