@@ -29,7 +29,7 @@ from autoscaling.capacity import SLO
 from autoscaling.forecast import Holt, HoltState
 from autoscaling.headroom import observed_headroom, prior_headroom
 from autoscaling.policy import Decision, QueueKVConfig, ServePolicy, measured_load, queue_kv_decision
-from autoscaling.signals import DeploymentSignals
+from autoscaling.signals import DeploymentSignals, ReplicaSignals
 from autoscaling.step_model import DEFAULT_PROFILE
 
 STATE_KEY = "tokenline_slo"
@@ -84,6 +84,7 @@ class Plan:
     headroom: float
     lead_s: float
     replicas: int
+    tokens_per_request: float
 
     def describe(self) -> str:
         return (f"load {self.demand:.0f} tok/s, forecast {self.forecast:.0f} in {self.lead_s:.0f}s, "
@@ -114,7 +115,30 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
             return decide(wanted, f"no capacity reported yet; {signals.total_ongoing:.0f} ongoing requests")
         return decide(target, "no capacity reported yet")
 
-    share = n / len(reported)  # replicas that have not reported get their share of the load
+    plan = _plan(signals, config, state, reported)
+    wanted = plan.replicas
+    overload = _safety_net(signals, config, plan, state)
+    if overload is not None:
+        state["last_overloaded_at"] = now
+        wanted = max(wanted, overload.num_replicas)
+    if wanted > target:
+        reason = f"overloaded ({overload.reason})" if overload and overload.num_replicas >= wanted else plan.describe()
+        return decide(wanted, reason)
+    if wanted == target or n <= low:
+        return decide(target, plan.describe())
+    if not signals.all_reported or target > n:
+        return decide(target, "fewer replicas would cover the load, but not every replica serves or reported")
+    last_overloaded = state.get("last_overloaded_at")
+    if last_overloaded is not None and now - last_overloaded < plan.lead_s:
+        return decide(target, "fewer replicas would cover the load, but a replica was overloaded lately")
+    return decide(wanted, f"fewer replicas cover it: {plan.describe()}")
+
+
+def _plan(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],
+          reported: list[ReplicaSignals]) -> Plan:
+    """The load, its forecast, the headroom and the replicas that cover them; updates the forecaster's state."""
+    now = signals.now
+    share = signals.current_replicas / len(reported)  # replicas that have not reported get their share
     demand = sum(r.demand_tokens_per_s for r in reported) * share
     arrivals = sum(r.arrivals_per_s for r in reported) * share
     capacity = sum(r.capacity_tokens_per_s for r in reported) / len(reported)
@@ -139,37 +163,21 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
         headroom = observed_headroom(state, now, needed, demand_state.level, lead, config.percentile)
     if headroom is None:
         headroom = prior_headroom(max(arrivals, arrivals_state.level), lead, config.percentile)
-    idle = demand == 0 and signals.total_ongoing == 0
-    if idle:
+    if demand == 0 and signals.total_ongoing == 0:
         wanted = 0
     elif needed <= alone * (1 - headroom):
         wanted = 1
     else:  # two or more, each sustaining its share beside the others
         wanted = max(2, math.ceil(needed / max(capacity * (1 - headroom), 1e-9)))
-    plan = Plan(demand, forecast, needed, capacity, headroom, lead, wanted)
-
-    overload = _safety_net(signals, config, capacity, per_request, state)
-    if overload is not None:
-        state["last_overloaded_at"] = now
-        wanted = max(wanted, overload.num_replicas)
-    if wanted > target:
-        reason = f"overloaded ({overload.reason})" if overload and overload.num_replicas >= wanted else plan.describe()
-        return decide(wanted, reason)
-    if wanted == target or n <= low:
-        return decide(target, plan.describe())
-    if not signals.all_reported or target > n:
-        return decide(target, "one replica fewer would cover the load, but not every replica serves or reported")
-    last_overloaded = state.get("last_overloaded_at")
-    if last_overloaded is not None and now - last_overloaded < lead:
-        return decide(target, "one replica fewer would cover the load, but a replica was overloaded lately")
-    return decide(wanted, f"fewer replicas cover it: {plan.describe()}")
+    return Plan(demand, forecast, needed, capacity, headroom, lead, wanted, per_request)
 
 
-def _safety_net(signals: DeploymentSignals, config: SLOConfig, capacity: float, per_request: float,
+def _safety_net(signals: DeploymentSignals, config: SLOConfig, plan: Plan,
                 state: dict[str, Any]) -> Decision | None:
     """The queue + KV policy's overload answer, or None when it sees no overload. Its waiting mark is the requests
     one replica gets through in one TTFT objective at its capacity."""
-    waiting_high = max(1.0, config.ttft_s * capacity / per_request) if per_request > 0 else 2.0
+    per_request = plan.tokens_per_request
+    waiting_high = max(1.0, config.ttft_s * plan.capacity / per_request) if per_request > 0 else 2.0
     marks = QueueKVConfig(waiting_high=waiting_high, waiting_low=waiting_high / 4)
     load = measured_load(signals)
     if load is None or load.pressure(marks) <= 1:
