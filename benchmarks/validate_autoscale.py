@@ -151,8 +151,14 @@ def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int)
                    sum(1 for r in records.values() if not r.ok))
 
 
+def _step_correction(replica_actor) -> float:
+    """Runs inside an engine replica: its step time over the profile's prediction, as it reports it to Serve."""
+    replica = replica_actor._replica_impl._user_callable_wrapper.user_callable
+    return float(replica.record_autoscaling_stats()["step_correction"])
+
+
 def _step_corrections() -> list[float]:
-    """Each engine replica's step correction now (its step time over the profile's prediction)."""
+    """Each engine replica's step correction now."""
     import ray
 
     from deployments.local import REPLICA_ACTOR_PREFIX
@@ -162,7 +168,7 @@ def _step_corrections() -> list[float]:
         if entry["name"].startswith(REPLICA_ACTOR_PREFIX):
             try:
                 actor = ray.get_actor(entry["name"], namespace="serve")
-                values.append(float(ray.get(actor.record_autoscaling_stats.remote(), timeout=10)["step_correction"]))
+                values.append(ray.get(actor.__ray_call__.remote(_step_correction), timeout=10))
             except Exception as exc:  # a replica starting or going away
                 log.info("no step correction from %s: %r", entry["name"], exc)
     return values
