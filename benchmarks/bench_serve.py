@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
+import os
 import random
 import statistics
 import time
@@ -54,6 +57,8 @@ class LevelResult:
     # CPU time the app's own processes (Serve replicas, proxy, controller) spent per output token: less sensitive
     # than throughput to other work sharing the machine.
     server_cpu_ms_per_token: float = float("nan")
+    # The same, by process kind (proxy, ingress, engine, controller, ray: raylet, GCS and other Ray daemons).
+    cpu_ms_per_token_by_process: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,28 +159,47 @@ async def bench_engine(config: EngineConfig, prompt_sets: dict[int, list[list[in
         await run_level(one, warmup, len(warmup))
         out = []
         for concurrency, prompts in prompt_sets.items():
+            cpu_before = time.process_time()
             results, wall = await run_level(one, prompts, concurrency)
-            out.append(summarize("engine", concurrency, results, wall))
+            level = summarize("engine", concurrency, results, wall)
+            tokens = max(sum(r.output_tokens for r in results if r is not None), 1)
+            level.server_cpu_ms_per_token = (time.process_time() - cpu_before) * 1e3 / tokens
+            out.append(level)
             log.info("%s", out[-1])
         return out
     finally:
         engine.shutdown()
 
 
-def app_cpu_seconds() -> float:
-    """CPU time used so far by the Serve processes of this process's own Ray cluster (its children)."""
+SERVE_PROCESSES = {"ray::ServeReplica:tokenline:EngineReplica": "engine", "ray::ServeReplica:tokenline:OpenAIIngress":
+                   "ingress", "ray::ProxyActor": "proxy", "ray::ServeController": "controller"}
+
+
+def process_kind(cmdline: list[str]) -> str | None:
+    """Which part of the app a child process of this one is; "ray" for Ray's own daemons, None for the rest."""
+    if not cmdline:
+        return None
+    for prefix, kind in SERVE_PROCESSES.items():
+        if cmdline[0].startswith(prefix):
+            return kind
+    joined = " ".join(cmdline[:3])
+    return "ray" if any(d in joined for d in ("raylet", "gcs_server", "dashboard", "log_monitor", "ray::")) else None
+
+
+def app_cpu_seconds_by_process() -> dict[str, float]:
+    """CPU time used so far by this process's own Ray cluster (its children), by process kind."""
     import psutil
 
-    total = 0.0
+    totals: dict[str, float] = {}
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith(("ray::ServeReplica", "ray::ProxyActor",
-                                                                      "ray::ServeController")):
+            kind = process_kind(child.cmdline())
+            if kind is not None:
                 times = child.cpu_times()
-                total += times.user + times.system
+                totals[kind] = totals.get(kind, 0.0) + times.user + times.system
         except psutil.Error:  # gone meanwhile
             continue
-    return total
+    return totals
 
 
 async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[int, list[list[int]]],
@@ -186,11 +210,15 @@ async def bench_http(base_url: str, model: str, label: str, prompt_sets: dict[in
         await run_level(one, warmup, len(warmup))
         out = []
         for concurrency, prompts in prompt_sets.items():
-            cpu_before = app_cpu_seconds()
+            cpu_before = app_cpu_seconds_by_process()
             results, wall = await run_level(one, prompts, concurrency)
+            cpu_after = app_cpu_seconds_by_process()
             level = summarize(label, concurrency, results, wall)
-            tokens = sum(r.output_tokens for r in results if r is not None)
-            level.server_cpu_ms_per_token = (app_cpu_seconds() - cpu_before) * 1e3 / max(tokens, 1)
+            tokens = max(sum(r.output_tokens for r in results if r is not None), 1)
+            level.cpu_ms_per_token_by_process = {k: (v - cpu_before.get(k, 0.0)) * 1e3 / tokens
+                                                 for k, v in sorted(cpu_after.items())}
+            level.server_cpu_ms_per_token = sum(v for k, v in level.cpu_ms_per_token_by_process.items()
+                                                if k != "ray")
             out.append(level)
             log.info("%s", out[-1])
         return out
@@ -203,6 +231,10 @@ def print_table(report: Report) -> None:
         print(f"{r.path:<44} {r.concurrency:>4} {r.output_tok_s:>10.1f} {r.ttft_p50_s:>9.3f} {r.ttft_p99_s:>9.3f} "
               f"{r.itl_p50_s:>8.3f} {r.itl_p99_s:>8.3f} {r.tpot_p50_s:>9.4f} {r.failures:>4} "
               f"{r.server_cpu_ms_per_token:>10.2f}")
+    for r in report.levels:
+        if r.cpu_ms_per_token_by_process:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_ms_per_token_by_process.items())
+            print(f"CPU ms per output token, {r.path} c={r.concurrency}: {parts}")
     for label, by_level in report.ratios.items():
         ratios = ", ".join(f"c={c}: {ratio:.0%}" for c, ratio in by_level.items())
         print(f"{label} / engine throughput: {ratios}")
@@ -228,6 +260,41 @@ def timeline_cost(levels: list[LevelResult], metric: str, higher_is_better: bool
     return costs
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, str], dict[str, object]]:
+    """NAME[:KEY=VALUE...] -> (name, environment variables, AppArgs overrides)."""
+    import yaml
+
+    name, *pairs = spec.split(":")
+    items = [p.split("=", 1) for p in pairs]
+    return (name, {k: v for k, v in items if k.isupper()},
+            {k: yaml.safe_load(v) for k, v in items if not k.isupper()})
+
+
+def with_overrides(fields: dict, overrides: dict[str, object]) -> dict:
+    """AppArgs fields with `overrides` applied; a dotted key reaches a nested field (engine.num_threads)."""
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = fields
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return fields
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -243,6 +310,10 @@ def main() -> None:
                                                            "and the step trace on, off, or both in turn")
     parser.add_argument("--repeats", type=int, default=1, help="how many times to serve each configuration, "
                                                                "alternating them")
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        help="serve configurations to compare, each NAME[:KEY=VALUE...]: an upper-case KEY is an "
+                             "environment variable of the app's processes, a lower-case one an AppArgs field, "
+                             "dotted for nested ones (num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1)")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/bench_serve.json"))
     args = parser.parse_args()
@@ -262,14 +333,18 @@ def main() -> None:
         report.levels += asyncio.run(bench_engine(config, prompt_sets, args.output_tokens, warmup))
     configs = [(float(interval), timeline) for interval in args.stream_intervals.split(",")
                for timeline in args.timelines.split(",")]
+    variants = [parse_variant(v) for v in args.variants]
     for repeat in range(1, args.repeats + 1):
-        for interval, timeline in configs:
+        for (interval, timeline), (name, env, overrides) in itertools.product(configs, variants):
             label = f"serve(stream_interval={interval:g}s, timeline={timeline})"
+            label += f" {name}" if len(variants) > 1 else ""
             label += f" #{repeat}" if args.repeats > 1 else ""
             app_args = AppArgs(model=args.model, num_engine_replicas=1, engine_num_cpus=args.num_cpus,
                                ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args,
                                timeline=TimelineArgs(enabled=timeline == "on"))
-            served = local.start(app_args, num_cpus=args.num_cpus)
+            app_args = AppArgs.model_validate(with_overrides(app_args.model_dump(), overrides))
+            with environment(env):  # Ray's processes inherit the environment of the one that starts them
+                served = local.start(app_args, num_cpus=args.num_cpus)
             try:
                 report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
                                                         args.output_tokens, warmup))

@@ -30,7 +30,10 @@ class EngineArgs(BaseModel):
                                                                "past it new ones get 503 (None: no bound)")
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "flash-attn"] = "auto"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only: share of the GPU's memory for "
+                                          "weights, activations and the KV pool (sizes the pool)")
+    enforce_eager: bool = Field(False, description="GPU only: no CUDA graphs for decode steps")
     prepack_weights: bool = True
     num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
     seed: int = 0
@@ -86,7 +89,11 @@ class AppArgs(BaseModel):
         return self.engine.model_copy(update=overrides)
 
     def router_settings(self) -> RouterSettings:
-        return RouterSettings(**self.router.model_dump(), block_size=self.engine_args().block_size)
+        from engine.attention import effective_block_size
+
+        args = self.engine_args()
+        return RouterSettings(**self.router.model_dump(),
+                              block_size=effective_block_size(args.attention_backend, args.block_size))
 
     def engine_config(self) -> EngineConfig:
         args = self.engine_args()

@@ -16,6 +16,7 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 TAGS = ("model_name", "replica")
+ENGINE_INFO_TAGS = ("attention_backend", "device", "dtype", "cuda_graphs")
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -90,14 +91,27 @@ class EngineMetrics:
                                       "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        # Always 1; its labels say how the engine runs (as vLLM's cache_config_info).
+        self.engine_info = metrics.Gauge("tokenline_engine_info", "How this engine replica runs: attention backend, "
+                                         "device, dtype, CUDA graphs.", tag_keys=TAGS + ENGINE_INFO_TAGS)
+        self.engine_info.set_default_tags(tags)
+        self._info_tags: dict[str, str] | None = None
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._last_step = 0
+
+    def record_engine_info(self, attention_backend: str, device: str, dtype: str, cuda_graphs: bool) -> None:
+        """Set again with every record_engine: Ray drops a gauge from its export once it stops being set."""
+        self._info_tags = {"attention_backend": attention_backend, "device": device, "dtype": dtype,
+                           "cuda_graphs": str(cuda_graphs).lower()}
+        self.engine_info.set(1, tags=self._info_tags)
 
     def record_engine(self, stats: EngineStats, steps: list[SchedulerStats]) -> None:
         """Gauges from the current stats, counters from their growth since the previous call."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_usage)
+        if self._info_tags is not None:
+            self.engine_info.set(1, tags=self._info_tags)
         last = self._last
         for counter, now, before in (
                 (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),

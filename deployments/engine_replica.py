@@ -40,7 +40,9 @@ class EngineReplica:
         self.engine = AsyncEngine(config)
         self.replica_id = replica_id()
         self.stream_interval_s = args.stream_interval_s
-        self.metrics = EngineMetrics(args.model_name(), self.replica_id, self.engine.engine.max_model_len)
+        core = self.engine.engine
+        self.metrics = EngineMetrics(args.model_name(), self.replica_id, core.max_model_len)
+        self.metrics.record_engine_info(core.runner.attention_backend, config.device, config.dtype, core.cuda_graphs)
         self._num_active_streams = 0
         self._digest_bits = replica_digest_bits(args.router, self.engine.engine.runner.num_blocks)
         self._stats_task = asyncio.create_task(self._record_stats_forever(args.stats_interval_s))
@@ -49,9 +51,10 @@ class EngineReplica:
         self.profiler = StepProfiler(config.device)
         self.load = replica_load(args.autoscaling)  # the capacity and offered load the SLO policy reads
         self._cold_start = ColdStart(self.replica_id, psutil.Process().create_time(), time.time(),
-                                     time.perf_counter() - started, self.engine.engine.startup)
-        log.info("engine replica %s ready: %s, %d torch threads; cold start %s", self.replica_id, config.model,
-                 config.num_threads, self._cold_start)
+                                     time.perf_counter() - started, core.startup)
+        log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads; "
+                 "cold start %s", self.replica_id, config.model, config.device, core.runner.attention_backend,
+                 core.cuda_graphs, config.num_threads, self._cold_start)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
@@ -155,7 +158,8 @@ class EngineReplica:
         stats = core.stats()
         return ModelInfo(max_model_len=core.max_model_len, vocab_size=core.model_args.vocab_size,
                          eos_token_ids=tuple(core.eos_token_ids), num_kv_blocks=stats.num_kv_blocks,
-                         block_size=stats.block_size)
+                         block_size=stats.block_size, attention_backend=core.runner.attention_backend,
+                         device=core.config.device, cuda_graphs=core.cuda_graphs)
 
     async def stats(self) -> ReplicaStats:
         return self._stats()

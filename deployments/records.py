@@ -67,6 +67,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     num_kv_blocks: int
     block_size: int
+    attention_backend: str = ""  # the backend the engine chose (auto resolved): torch, cpu, triton, flash-attn
+    device: str = ""
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs
 
 
 @dataclass

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 log = logging.getLogger("tokenline.run")
 
@@ -23,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus export port")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may hand out (default: all)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs for engine replicas, one replica each (default: those found; 0: the CPU layout)")
     parser.add_argument("target", help="a Serve config YAML or an import path such as deployments.app:build_app")
     parser.add_argument("app_args", nargs="*", help="key=value arguments for an import path")
     args = parser.parse_args(argv)
@@ -31,6 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     # (where the shell leaves SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
+
+    from deployments.node_layout import detect_gpus, layout_target
+
+    workdir = Path(tempfile.mkdtemp(prefix="tokenline-serve-"))
+    num_gpus = detect_gpus() if args.gpus is None else args.gpus
+    target, app_args, layout = layout_target(args.target, args.app_args, num_gpus, workdir)
+    log.info("engine layout: %s", layout)
 
     import ray
     from ray import serve
@@ -44,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         serve.start(http_options={"host": args.host, "port": args.http_port})
     log.info("Ray dashboard on http://%s:%d, Prometheus metrics on http://%s:%d/metrics", args.host,
              args.dashboard_port, args.host, args.metrics_port)
-    cli.main(args=["run", args.target, *args.app_args], prog_name="serve", standalone_mode=True)
+    try:
+        cli.main(args=["run", target, *app_args], prog_name="serve", standalone_mode=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -112,7 +112,12 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    # oneDNN-prepacked linear weights on CPU (bf16); falls back to F.linear if the ops are missing.
+    # CUDA: the share of the GPU's memory this engine may fill (weights, a profiled peak step, then the KV pool),
+    # as vLLM sizes it; it sizes the pool instead of kv_cache_memory_bytes unless num_kv_blocks is set.
+    gpu_memory_utilization: float = 0.9
+    # CUDA: decode steps replay CUDA graphs captured per batch bucket; True runs every step eagerly.
+    enforce_eager: bool = False
+    # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     num_threads: int | None = None
     seed: int = 0
@@ -127,6 +132,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         resolve_dtype(self.dtype)
 
     @property

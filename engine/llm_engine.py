@@ -1,12 +1,14 @@
 """LLMEngine: add requests, call step(), read outputs. Synchronous, single-threaded, no Ray, no HTTP."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
 
 import torch
 
+from engine.attention import effective_block_size
 from engine.config import EngineConfig, ModelArgs, default_num_threads
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
@@ -25,6 +27,11 @@ class LLMEngine:
                  source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
         started = time.perf_counter()
+        block_size = effective_block_size(config.attention_backend, config.block_size)
+        if block_size != config.block_size:
+            log.info("the %s backend needs KV blocks of %d tokens: block_size %d becomes %d",
+                     config.attention_backend, block_size, config.block_size, block_size)
+            config = dataclasses.replace(config, block_size=block_size)
         self.config = config
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
@@ -48,9 +55,15 @@ class LLMEngine:
         self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
                                      kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
                                      time.perf_counter() - started)
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, prepacked=%s",
-                 args.architecture, config.dtype, config.device, self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.prepacked)
+        log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d KV blocks of %d tokens, "
+                 "max_model_len %d, linears=%s", args.architecture, config.dtype, config.device,
+                 self.runner.attention_backend, self.cuda_graphs, self.runner.num_blocks, config.block_size,
+                 self.max_model_len, self.runner.linear_packing or "F.linear")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps replay captured CUDA graphs."""
+        return self.runner.graph_runner is not None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
@@ -98,6 +111,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        schedule_s = time.perf_counter() - t0
         sampled = self.runner.execute(sched.scheduled)
         now = time.time()
         outputs: list[EngineOutput] = []
@@ -147,7 +161,8 @@ class LLMEngine:
             num_prefill_requests=prefill_reqs, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits, num_finished=finished, num_context_tokens=context_tokens,
-            prefill_attention=attention))
+            prefill_attention=attention, schedule_s=schedule_s, prepare_s=self.runner.times.prepare_s,
+            forward_s=self.runner.times.forward_s, sample_s=self.runner.times.sample_s))
         return outputs
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:

@@ -51,6 +51,11 @@ class SchedulerStats:
     num_finished: int
     num_context_tokens: int = 0  # tokens of KV the decodes attended to, summed (the step model's context term)
     prefill_attention: float = 0.0  # prefill chunks' (query, key) pairs, in millions
+    # Where the step's time went; what is left of duration_s is turning samples into outputs.
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0  # the batch's input tensors
+    forward_s: float = 0.0  # the model, up to the hidden states
+    sample_s: float = 0.0  # logits of the rows that sample, and sampling
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_copies import to_host
 from engine.request import Request, TokenLogprobs
 
 
@@ -59,11 +60,16 @@ class SamplingBatch:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], torch.Tensor | None]:
         """Returns sampled token ids and, when asked for, log-probabilities of the raw logits."""
+        tokens, logprobs = self.sample(logits, batch)
+        return tokens.tolist(), logprobs
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As __call__, with the token ids left on the logits' device (see sampled_to_host)."""
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
         if batch.all_greedy:
-            return logits.argmax(dim=-1).tolist(), logprobs
+            return logits.argmax(dim=-1), logprobs
         greedy_tokens = logits.argmax(dim=-1)
         logits = logits / batch.temperature
         if batch.top_k is not None:
@@ -81,18 +87,28 @@ class Sampler:
         for row, generator in batch.generators:
             noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(batch.greedy, greedy_tokens, sampled).tolist(), logprobs
+        return torch.where(batch.greedy, greedy_tokens, sampled), logprobs
 
 
-def gather_logprobs(logprobs: torch.Tensor, rows: list[int], tokens: list[int],
-                    num_top: list[int]) -> list[TokenLogprobs]:
-    """The sampled token's logprob and its top alternatives, for the rows that asked."""
+def sampled_to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: list[int],
+                    num_top: list[int]) -> tuple[list[int], list[TokenLogprobs]]:
+    """The step's one device-to-host copy: every sampled id and, for the rows that asked, the sampled token's
+    logprob and its top alternatives, packed into one float64 tensor (exact for ids and fp32 logprobs)."""
+    if logprobs is None or not rows:
+        return to_host(tokens).tolist(), []
     k = max(num_top)
-    row_index = torch.tensor(rows)
-    chosen = logprobs[row_index, torch.tensor(tokens)].tolist()
-    top_vals, top_ids = (logprobs[row_index].topk(k, dim=-1) if k else (None, None))
+    row_index = torch.tensor(rows, device=tokens.device)
+    parts = [tokens.double(), logprobs[row_index, tokens[row_index]].double()]
+    if k:
+        top_vals, top_ids = logprobs[row_index].topk(k, dim=-1)
+        parts += [top_ids.flatten().double(), top_vals.flatten().double()]
+    host = to_host(torch.cat(parts)).tolist()
+    b, r = tokens.shape[0], len(rows)
+    ids = [int(t) for t in host[:b]]
+    chosen = host[b:b + r]
+    top_ids, top_vals = host[b + r:b + r + r * k], host[b + r + r * k:]
     out = []
-    for i, (token, lp, n) in enumerate(zip(tokens, chosen, num_top)):
-        top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())) if n else []
-        out.append(TokenLogprobs(token, lp, top))
-    return out
+    for i, (row, n) in enumerate(zip(rows, num_top)):
+        top = [(int(top_ids[i * k + j]), top_vals[i * k + j]) for j in range(n)]
+        out.append(TokenLogprobs(ids[row], chosen[i], top))
+    return ids, out

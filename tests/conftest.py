@@ -5,6 +5,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when it is first
+# imported (its own library functions are defined then), so it is set before any test can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention
-from engine.kernels import cpu_kernels_available
+from engine.kernels import cpu_kernels_available, packed_keys_supported
 
-H, KVH, BS = 6, 2, 4
+H, KVH = 6, 2  # a GQA group of 3
 
 
 def dense_reference(q, k, v):
@@ -18,14 +18,18 @@ def dense_reference(q, k, v):
     return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)
 
 
-def run_mixed_step(backend_cls, dtype, D):
-    """Two decodes (contexts 9 and 17) and one prefill chunk with 5 cached tokens, in one step."""
+def run_mixed_step(backend, dtype, scale=1, token_rows=False):
+    """Two decodes (contexts 9 and 17, times `scale`) and one prefill chunk of 7 tokens after cached ones, in one
+    step, over shuffled blocks. `token_rows`: also each token's block table and position, as the runner gives
+    backends that read them."""
     torch.manual_seed(0)
-    backend = backend_cls(H, KVH, D, BS)
-    k_cache = torch.zeros(backend.kv_cache_shape(32), dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    lengths, new = [9, 17, 12], [1, 1, 7]
-    tables = [[3, 7, 1], [10, 2, 5, 8, 11], [20, 21, 22]]
+    H, KVH, D, BS = backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.block_size
+    k_cache = torch.zeros(backend.key_cache_shape(32 * scale), dtype=dtype)
+    v_cache = torch.zeros(backend.kv_cache_shape(32 * scale), dtype=dtype)
+    lengths, new = [9 * scale, 17 * scale, 12 * scale], [1, 1, 7]
+    blocks = torch.randperm(32 * scale).tolist()  # shuffled, as a used pool is
+    tables = [blocks[0:3 * scale], blocks[3 * scale:8 * scale], blocks[8 * scale:11 * scale]]
+    tables = [t[:-(-n // BS)] for t, n in zip(tables, lengths)]
     seqs = [(torch.randn(n, H, D, dtype=dtype), torch.randn(n, KVH, D, dtype=dtype),
              torch.randn(n, KVH, D, dtype=dtype)) for n in lengths]
     # Fill the cached part of each sequence through a first step of prefills.
@@ -43,10 +47,15 @@ def run_mixed_step(backend_cls, dtype, D):
     for (q, k, v), n_total, n_new, table in zip(seqs, lengths, new, tables):
         slots += [table[p // BS] * BS + p % BS for p in range(n_total - n_new, n_total)]
         qs.append(q[-n_new:]); ks.append(k[-n_new:]); vs.append(v[-n_new:])
+    width = max(len(tables[0]), len(tables[1]))
     meta = AttentionMetadata(torch.tensor(slots), 2,
-                             decode_block_tables=torch.tensor([[3, 7, 1, 0, 0], tables[1]]),
-                             decode_seq_lens=torch.tensor([9, 17]),
-                             prefills=[PrefillChunk(2, 7, 5, torch.tensor(tables[2]))])
+                             decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
+                             decode_seq_lens=torch.tensor(lengths[:2]),
+                             prefills=[PrefillChunk(2, 7, lengths[2] - 7, torch.tensor(tables[2]))])
+    if token_rows:
+        full = [t + [0] * (max(map(len, tables)) - len(t)) for t in tables]
+        meta.token_block_tables = torch.tensor([full[r] for r, n in enumerate(new) for _ in range(n)])
+        meta.token_positions = torch.tensor([p for n_total, n in zip(lengths, new) for p in range(n_total - n, n_total)])
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
     expected = torch.cat([dense_reference(*[t.float() for t in s])[-n:] for s, n in zip(seqs, new)])
     return out.float(), expected
@@ -57,5 +66,20 @@ def run_mixed_step(backend_cls, dtype, D):
 @pytest.mark.parametrize("backend_cls", [TorchAttention, pytest.param(CpuAttention, marks=pytest.mark.skipif(
     not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels"))])
 def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dtype, tol, head_dim):
-    out, expected = run_mixed_step(backend_cls, dtype, head_dim)
+    out, expected = run_mixed_step(backend_cls(H, KVH, head_dim, 4), dtype)
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
+                                                                   "keys stay in the plain layout")
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 32)])
+@pytest.mark.parametrize("scale", [1, 5])  # contexts up to 85 tokens: several blocks, partial last ones
+@pytest.mark.parametrize("token_rows", [False, True])  # prefill chunks by SDPA, or every token by the native kernel
+def test_packed_bf16_keys_give_the_same_attention_as_the_plain_layout(head_dim, block_size, scale, token_rows):
+    packed = CpuAttention(9, 3, head_dim, block_size, torch.bfloat16)
+    assert packed.packed_keys and packed.key_cache_shape(2) == (2, 3, head_dim // 2, block_size, 2)
+    assert packed.uses_token_rows
+    out, expected = run_mixed_step(packed, torch.bfloat16, scale, token_rows)  # SmolLM2's GQA group of 3
+    plain, _ = run_mixed_step(TorchAttention(9, 3, head_dim, block_size), torch.bfloat16, scale)
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)

@@ -25,22 +25,16 @@ def test_an_engine_reports_where_its_start_up_went(tmp_path):
 
 
 def test_the_kernel_build_is_named_after_its_sources(tmp_path, monkeypatch):
-    name = kernels.build_name()
-    assert name.startswith(kernels.NAME + "_") and len(name) > len(kernels.NAME) + 8
-    sources = tmp_path / "kernels"
-    sources.mkdir()
-    (sources / "a.cpp").write_text("int a;")
-    monkeypatch.setattr(kernels, "__file__", str(sources / "__init__.py"))
-    kernels.build_name.cache_clear()
-    try:
-        first = kernels.build_name()
-        kernels.build_name.cache_clear()
-        (sources / "a.cpp").write_text("int a; int b;")
-        assert kernels.build_name() != first  # other sources, another build: neither evicts the other
-    finally:
-        monkeypatch.undo()
-        kernels.build_name.cache_clear()
-    assert kernels.build_name() == name
+    """Two versions of the sources sharing a machine keep two builds: neither start rebuilds the other's."""
+    name = kernels._build_name()
+    for source in kernels.SOURCES:
+        (tmp_path / source).write_text(f"// {source}")
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "__init__.py"))
+    first = kernels._build_name()
+    (tmp_path / kernels.SOURCES[0]).write_text("// changed")
+    assert kernels._build_name() != first != name
+    monkeypatch.undo()
+    assert kernels._build_name() == name
 
 
 @pytest.mark.slow

@@ -258,6 +258,19 @@ def test_images_ray_version_and_baked_model_match_the_dockerfiles(variant):
         assert tokenline_app(variant).args["model"] == f"{cache_dir}/{GGUF_NAME}", "the model baked into the image"
 
 
+def test_gpu_image_compiles_no_kernel_and_its_overlay_runs_triton_with_graphs_and_memory_sizing():
+    dockerfile = DOCKERFILES["gpu"].read_text()
+    assert "-f Dockerfile.gpu -t tokenline:gpu" in dockerfile, "the build command names the overlay's image"
+    assert "--no-build-isolation" not in dockerfile, "a source build of flash-attn needs nvcc, absent in this image"
+    for line in [l for l in dockerfile.splitlines() if re.search(r"flash.attn", l, re.I) and "pip install" in l]:
+        assert "--only-binary=:all:" in line, f"flash-attn only from a prebuilt wheel: {line.strip()}"
+    assert "import torch, triton" in dockerfile, "the build checks that torch brought Triton"
+    engine = AppArgs.model_validate(tokenline_app("gpu").args).engine_config()
+    assert engine.device == "cuda" and engine.attention_backend in ("auto", "triton") and not engine.enforce_eager
+    assert engine.num_kv_blocks is None and 0.5 <= engine.gpu_memory_utilization <= 0.95
+    assert engine_group("gpu")["template"]["spec"]["containers"][0]["image"] == "tokenline:gpu"
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_podmonitors_select_the_head_and_the_workers_by_their_metrics_port(variant):
     docs = render(variant)

@@ -56,13 +56,17 @@ def test_engine_gauges_exist_per_replica(serve_app):
         text = serve_app.scrape_metrics()
         found = {name: {s.labels.get("replica") for s in samples(text, name)}
                  for name in ("ray_tokenline_kv_cache_usage_perc", "ray_tokenline_num_requests_waiting",
-                              "ray_tokenline_num_requests_running")}
+                              "ray_tokenline_num_requests_running", "ray_tokenline_engine_info")}
         if all(labels == replicas for labels in found.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert len(replicas) == 2
     assert all(labels == replicas for labels in found.values()), found
     assert all(0.0 <= s.value <= 1.0 for s in samples(text, "ray_tokenline_kv_cache_usage_perc"))
+    # How each engine runs: on this CPU machine the native CPU kernels (plain torch without a compiler), no graphs.
+    for info in samples(text, "ray_tokenline_engine_info"):
+        assert info.value == 1 and info.labels["device"] == "cpu" and info.labels["cuda_graphs"] == "false"
+        assert info.labels["attention_backend"] in ("cpu", "torch") and info.labels["dtype"] == "bfloat16"
 
 
 def test_vllm_metric_set_and_http_metrics_are_exported(serve_app):

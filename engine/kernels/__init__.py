@@ -4,7 +4,6 @@ Everything here is optional: if the compiler or build fails, callers fall back t
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -19,6 +18,17 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+
+
+def _build_name() -> str:
+    """One cached build per set of sources: checkouts of different versions share the cache without rebuilding
+    over each other (torch's cache keeps one build per name)."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update((Path(__file__).parent / source).read_bytes())
+    return f"tokenline_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,8 @@ class KernelLoad:
 
     seconds: float
     built: bool
-NAME = "tokenline_cpu_kernels"
+
+
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
 STALE_LOCK_S = 600.0
@@ -51,23 +62,12 @@ def kernel_load() -> KernelLoad | None:
     return _load_report[0] if _load_report else None
 
 
-@functools.cache
-def build_name() -> str:
-    """The build's name carries a digest of the sources: torch's builder keeps one build per name and rebuilds it
-    whenever the sources differ, so two checkouts (or versions) sharing a machine would otherwise rebuild on
-    every engine start that alternates between them (~20 s here)."""
-    digest = hashlib.sha256()
-    for source in sorted(Path(__file__).parent.glob("*.cpp")):
-        digest.update(source.name.encode() + source.read_bytes())
-    return f"{NAME}_{digest.hexdigest()[:12]}"
-
-
 def _newest_library() -> float | None:
     """The newest modification time among the built libraries (torch's builder names them NAME[_vN].so)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        libraries = Path(_get_build_directory(build_name(), verbose=False)).glob("*.so")
+        libraries = Path(_get_build_directory(_build_name(), verbose=False)).glob("*.so")
         return max((lib.stat().st_mtime for lib in libraries), default=None)
     except Exception:  # no build directory: nothing was built
         return None
@@ -79,12 +79,11 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _remove_stale_lock(Path(_get_build_directory(build_name(), verbose=False)) / "lock")
+        name = _build_name()
+        _remove_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
         here = Path(__file__).parent
-        load(name=build_name(), sources=[str(here / "paged_attention_cpu.cpp"),
-                                                    str(here / "layers_cpu.cpp")], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], verbose=False)
+        load(name=name, sources=[str(here / s) for s in SOURCES], is_python_module=False,
+             extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
         return all(hasattr(torch.ops.tokenline, op) for op in
                    ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
@@ -100,6 +99,16 @@ def _remove_stale_lock(lock: Path) -> None:
     if age > STALE_LOCK_S:
         log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
         lock.unlink(missing_ok=True)
+
+
+def native_linear_available() -> bool:
+    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
+
+
+def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the bf16 decode kernel can read keys in the packed layout (CpuAttention) on this CPU."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_keys_supported(block_size, head_dim, group))
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -132,16 +132,20 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
-// Writes each new token's K and V ([tokens, kv_heads, d], rows may be strided) into
-// [blocks, kv_heads, block, d] caches at the given slots.
+// Writes each new token's K and V ([tokens, kv_heads, d], rows may be strided) into [blocks, kv_heads, block, d]
+// caches at the given slots; a 5-D k_cache is the packed key layout [blocks, kv_heads, d / 2, block, 2]
+// (engine/kernels/paged_attention_cpu.cpp).
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slots) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const bool packed_keys = k_cache.dim() == 5;
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k and v must be [tokens, kv_heads, head_dim] with contiguous heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong, "slot mapping must be int64");
   const int64_t tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
-  const int64_t block_size = k_cache.size(2), block_stride = num_kv_heads * block_size * head_dim;
+  const int64_t block_size = v_cache.size(2), block_stride = num_kv_heads * block_size * head_dim;
+  TORCH_CHECK(!packed_keys || (k.scalar_type() == at::kBFloat16 && head_dim % 2 == 0),
+              "the packed key layout holds bf16 pairs");
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   dispatch(k, "write_kv_cache", [&](auto* tag) {
@@ -156,8 +160,14 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
         const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const int64_t dst = block * block_stride + (h * block_size + offset) * head_dim;
-          std::memcpy(kc + dst, kp + t * ks + h * head_dim, head_dim * sizeof(T));
           std::memcpy(vc + dst, vp + t * vs + h * head_dim, head_dim * sizeof(T));
+          if (packed_keys) {  // pair p of this token goes to word (h * d/2 + p) * block + offset of its block
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(kp + t * ks + h * head_dim);
+            uint32_t* words = reinterpret_cast<uint32_t*>(kc + block * block_stride) + h * (head_dim / 2) * block_size;
+            for (int64_t p = 0; p < head_dim / 2; ++p) words[p * block_size + offset] = src[p];
+          } else {
+            std::memcpy(kc + dst, kp + t * ks + h * head_dim, head_dim * sizeof(T));
+          }
         }
       }
     });

