@@ -10,17 +10,19 @@ and the mean step lasts `base / (1 - rho)`. A request misses
   carry a prefill are the long ones: the chance that one still has more than `x` seconds to run is
   `rate * E[(L - x)+]` (the residual life of a renewal process), with `L` a prefill and a mean step, both
   stretched by `1 + rho_prefill` for the prompts that arrive meanwhile and join the same step;
-- ITL when the other requests' prefills that land within its `output - 1` decode steps (Poisson, about
-  `rate * (output - 1) * mean step` of them) add more than `(itl_s - decode step) * (output - 1)` seconds: the tail
-  of that compound sum is the larger of a normal approximation and its single-big-prefill term.
+- ITL when its mean step passes `itl_s`: when the work arriving over its `output - 1` decode steps fills more than
+  `1 - base / itl_s` of that time (Poisson arrivals of random work, spread normally around `rho` by
+  `rho * sqrt((1 + cv^2) / arrivals)`), or when one other prompt's prefill, landing within its life, stalls it by
+  more than its steps leave.
 
-Behind a load-aware router with other replicas to choose from, a request seldom lands on a replica that is
-in the middle of a long prefill (`POOLED_COLLISION_SHARE` of the lone replica's chance), so a replica reports its
-rate both alone and as one of several. The sustainable rate is the largest at which the share of requests that miss stays within `1 - percentile`,
-counting only requests that can meet the objectives at all: a prompt whose prefill alone takes longer than
-`ttft_s` misses on any number of replicas, and must not drive the count. It is bounded too by `max_num_seqs`
-decodes at once and by the KV pool at the requests' context. (Checked against the simulated replica on synthetic
-request mixes: the rate at which 5% miss, within about 15% either way; tests/test_autoscaling_capacity.py.)
+Behind a load-aware router with other replicas to choose from, a request seldom lands on a replica that is in the
+middle of a long prefill (`POOLED_COLLISION_SHARE` of the lone replica's chance), so a replica reports its rate
+both alone and as one of several. The sustainable rate is the largest at which the share of requests that miss
+stays within `1 - percentile`, counting only requests that can meet the objectives at all: a prompt whose prefill
+alone takes longer than `ttft_s` misses on any number of replicas, and must not drive the count. It is bounded
+too by `max_num_seqs` decodes at once and by the KV pool at the requests' context. (Checked against the simulated
+replica on synthetic request mixes: the rate at which 5% miss, within about 30%, on the cautious side;
+tests/test_autoscaling_capacity.py.)
 
 Request sizes are the replica's recent requests (or, before any has finished, the replica profile's held-out
 workload); what a step costs is the profile's step model, scaled by how much slower (or faster) this replica's
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
 import numpy as np
 
 from autoscaling.step_model import ReplicaProfile
@@ -147,7 +150,8 @@ class _Misses:
         self.prefill_work, self.decode_work = float(np.mean(prefill)), float(np.mean(decode))
         self.sorted_prefill = np.sort(prefill)
         self.tail_sums = np.concatenate([np.cumsum(self.sorted_prefill[::-1])[::-1], [0.0]])
-        self.mean_square = float(np.mean(prefill * prefill))
+        work = prefill + decode
+        self.work_cv2 = float(np.var(work) / max(np.mean(work) ** 2, 1e-18))
         self.mine = prefill[feasible] + base  # each feasible request's own prefill, with its step's base
         self.life = np.maximum(output[feasible] - 1, 0)
 
@@ -171,14 +175,17 @@ class _Misses:
         above = np.searchsorted(self.sorted_prefill, y, side="right")
         excess = (self.tail_sums[above] - y * (n - above)) / n
         ttft = np.where(slack < 0, 1.0, self.collision_share * rate * stretch * excess)
-        # ITL: the prefills landing within its decode life, over the slack its decode steps leave.
+        # ITL: its mean step passes itl_s when the work arriving over its decode life fills more than
+        # 1 - base / itl_s of that time (Poisson arrivals of random work: a normal spread around rho), or one other
+        # prompt's prefill landing within its life stalls it by more than its steps leave.
+        rho = rho_prefill + rho_decode
+        arrivals = np.maximum(rate * self.life * slo.itl_s, 1e-9)
+        spread = rho * np.sqrt((1 + self.work_cv2) / arrivals)
+        busy = 0.5 * _erfc(((1 - self.base / slo.itl_s) - rho) / spread / np.sqrt(2))
         decode_step = self.base / (1 - rho_decode)
-        count = rate * self.life * step
         threshold = (slo.itl_s - decode_step) * self.life
-        spread = np.sqrt(np.maximum(count * self.mean_square, 1e-18))
-        normal = 0.5 * _erfc((threshold - count * self.prefill_work) / spread / np.sqrt(2))
-        single = count * (n - np.searchsorted(self.sorted_prefill, threshold, side="right")) / n
-        itl = np.where(self.life == 0, 0.0, np.where(threshold <= 0, 1.0, np.maximum(normal, single)))
+        single = rate * self.life * step * (n - np.searchsorted(self.sorted_prefill, threshold, side="right")) / n
+        itl = np.where(self.life == 0, 0.0, np.where(threshold <= 0, 1.0, np.maximum(busy, single)))
         return float(np.mean(np.minimum(1.0, ttft + itl)))
 
 

@@ -1,18 +1,19 @@
 """A real run of the app under the SLO policy (1 to 2 engine replicas), against the simulator's prediction of the
 same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`.
 
-The workload: ten minutes of Poisson arrivals, quiet, then busy enough to need a second replica, then quiet
-again (rates set from the replica profile's own capacity for the workload's request sizes, so they are not
-fitted to this machine), prompts of exact token counts with random tokens (no shared prefix), each asking for
-its own number of tokens with ignore_eos, streamed. The app runs on a local Ray (2 CPUs, one per engine replica;
-Serve's default router, as the simulator routes), with AppArgs' autoscaling delays. Every second the run samples
-how many engine replicas are alive, and every ten seconds the step-time correction the replicas report (how much
-slower than the profile their steps run: the machine is shared, and this says how much).
+The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes),
+with AppArgs' autoscaling delays. A first minute and a half of light load (one replica) calibrates: the replicas
+report how much slower than the recorded profile their steps run in the app (an ingress, a proxy and this client
+share the two cores with them, which the profile, measured on the engine alone, does not see). The workload is
+then ten minutes of Poisson arrivals, quiet, then busy enough to need a second replica, then quiet again (rates
+set from the calibrated profile's capacity for the workload's request sizes), prompts of exact token counts with
+random tokens (no shared prefix), each asking for its own number of tokens with ignore_eos, streamed. Every
+second the run samples how many engine replicas are alive, and every ten seconds the replicas' step correction.
 
-The simulator then replays the very same requests (arrival times, prompt and output tokens) on replicas of the
-recorded profile, with the same policy, delays and bounds, and the policy's default start-up time (a priori);
-and once more with the start-up time and the step correction this run measured (a posteriori), to tell the
-model's error from the machine's noise. Writes JSON and a PNG. Holds the CPU for about 12 minutes: run it alone.
+The simulator replays the very same requests (arrival times, prompt and output tokens) with the same policy,
+delays and bounds: a priori, on the profile scaled by the calibration's correction, with the policy's default
+start-up time (what was known before the run); a posteriori, with the correction and start-up time the run
+measured. Writes JSON and a PNG. Holds the CPU for about 15 minutes: run it alone.
 
     flock /tmp/tokenline-heavy.lock python -m benchmarks.validate_autoscale --model MODEL \\
         --out results/validate_autoscale.json
@@ -46,12 +47,14 @@ log = logging.getLogger("validate_autoscale")
 
 TOLERANCE = 0.15
 PHASES = ((150.0, 0.35), (210.0, 1.5), (240.0, 0.35))  # (seconds, request rate as a share of one replica's)
+CALIBRATION = ((90.0, 0.35),)
 INPUT_MEAN, INPUT_CV, MAX_INPUT = 200, 0.6, 800
 OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT = 100, 0.6, 400
 KV_CACHE_BYTES = 512 << 20  # serve_config.yaml's, as the profile was measured with
 
 
-def workload(profile: ReplicaProfile, config: SLOConfig, seed: int) -> list[RequestSpec]:
+def workload(profile: ReplicaProfile, config: SLOConfig, seed: int,
+             phases: tuple[tuple[float, float], ...] = PHASES) -> list[RequestSpec]:
     rng = np.random.default_rng(seed)
 
     def lengths(mean: float, cv: float, cap: int, n: int) -> np.ndarray:
@@ -62,7 +65,7 @@ def workload(profile: ReplicaProfile, config: SLOConfig, seed: int) -> list[Requ
     alone = CapacityModel(profile, config.slo).capacity(RequestSizes(
         prompts[:512].astype(float), np.zeros(512), outputs[:512].astype(float))).alone_requests_per_s
     specs, start, i = [], 0.0, 0
-    for seconds, share in PHASES:
+    for seconds, share in phases:
         t = start + rng.exponential(1 / (share * alone))
         while t < start + seconds:
             specs.append(RequestSpec(float(t), int(prompts[i]), int(outputs[i]), max_tokens=int(outputs[i])))
@@ -83,11 +86,17 @@ class RealRun:
     corrections: list[float]
     startup_s: list[float]  # each scale-out: asked for (a replica appears) -> running
     errors: int
+    calibration: float  # the replicas' step correction after the calibrating load
 
 
-def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int) -> RealRun:
-    from ray import serve
+def scaled(profile: ReplicaProfile, correction: float) -> ReplicaProfile:
+    """The profile with every step `correction` times as long."""
+    model = StepTimeModel(*(correction * getattr(profile.step_model, f.name)
+                            for f in dataclasses.fields(StepTimeModel)))
+    return dataclasses.replace(profile, step_model=model)
 
+
+def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) -> RealRun:
     from deployments import local
     from engine.loader import load_tokenizer
     from loadtests.arrivals import LoadMode
@@ -101,10 +110,13 @@ def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int)
                    engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
     builder = PromptBuilder(load_tokenizer(model), seed=seed)
-    prompts = builder.texts([builder.random_tokens(s.prompt_tokens) for s in specs])
-    load_specs = [LoadSpec(i, p.text, p.num_tokens, s.output_tokens, send_offset_s=s.arrival_s)
-                  for i, (p, s) in enumerate(zip(prompts, specs))]
-    warmup = [LoadSpec(-1 - i, prompts[i].text, prompts[i].num_tokens, 8) for i in range(4)]
+
+    def load_specs_of(specs: list[RequestSpec]) -> list[LoadSpec]:
+        prompts = builder.texts([builder.random_tokens(s.prompt_tokens) for s in specs])
+        return [LoadSpec(i, p.text, p.num_tokens, s.output_tokens, send_offset_s=s.arrival_s)
+                for i, (p, s) in enumerate(zip(prompts, specs))]
+
+    calibrating = load_specs_of(workload(profile, config, seed + 1, CALIBRATION))
     app = local.start(args, num_cpus=2)
     samples: list[tuple[float, int, int]] = []  # (time, alive, running)
     corrections: list[float] = []
@@ -113,8 +125,7 @@ def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int)
     def watch(started: float) -> None:
         last_correction = 0.0
         while not stop.is_set():
-            deployment = serve.status().applications[local.APP_NAME].deployments["EngineReplica"]
-            states = deployment.replica_states
+            states = _engine_states()
             samples.append((time.time() - started, sum(states.values()), states.get("RUNNING", 0)))
             if time.time() - last_correction >= 10:
                 corrections.extend(_step_corrections())
@@ -124,8 +135,15 @@ def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int)
     try:
         endpoint = EndpointConfig(app.base_url, app.model, endpoint="completions", streaming=True, ignore_eos=True,
                                   extra_body={"temperature": 0.0})
-        asyncio.run(run_load(endpoint, LoadMode(concurrency=2), warmup, RunLimits(max_requests=len(warmup)),
+        asyncio.run(run_load(endpoint, LoadMode(trace=True), calibrating, RunLimits(max_requests=len(calibrating)),
                              progress=False))
+        calibration = float(np.median(_step_corrections() or [1.0]))
+        specs = workload(scaled(profile, calibration), config, seed)
+        load_specs = load_specs_of(specs)
+        log.info("calibrated: the replicas' steps run %.2fx the profile's", calibration)
+        deadline = time.monotonic() + 300  # the run starts, as the simulation does, from one replica
+        while sum(_engine_states().values()) != 1 and time.monotonic() < deadline:
+            time.sleep(1)
         started = time.time()
         watcher = threading.Thread(target=watch, args=(started,), daemon=True)
         watcher.start()
@@ -148,7 +166,16 @@ def run_real(model: str, specs: list[RequestSpec], config: SLOConfig, seed: int)
         sent.append(dataclasses.replace(spec, prompt_tokens=load_spec.input_tokens,
                                         arrival_s=(record.start_ns / 1e9 - started) if record else spec.arrival_s))
     return RealRun(sent, ttft, itl, [(t, alive) for t, alive, _ in samples], corrections, _startups(samples),
-                   sum(1 for r in records.values() if not r.ok))
+                   sum(1 for r in records.values() if not r.ok), calibration)
+
+
+def _engine_states() -> dict[str, int]:
+    """Engine replicas by state (STARTING, RUNNING, STOPPING, ...)."""
+    from ray import serve
+
+    from deployments.local import APP_NAME
+
+    return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states
 
 
 def _step_correction(replica_actor) -> float:
@@ -241,26 +268,24 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     profile, config = ReplicaProfile.load(args.profile), SLOConfig()
-    specs = workload(profile, config, args.seed)
     end_s = sum(seconds for seconds, _ in PHASES)
     load_before = os.getloadavg()
-    run = run_real(args.model, specs, config, args.seed)
+    run = run_real(args.model, profile, config, args.seed)
     load_after = os.getloadavg()
     real = real_summary(run, config, end_s)
     times = np.arange(0.0, end_s, 1.0)
     real_counts = replicas_at(run.replicas, times)
 
-    prior_result, prior = simulated(run.requests, profile, config, config.startup_s, end_s)
+    prior_result, prior = simulated(run.requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
     measured_startup = float(np.mean(run.startup_s)) if run.startup_s else config.startup_s
-    correction = float(np.median(run.corrections)) if run.corrections else 1.0
-    scaled = dataclasses.replace(profile, step_model=StepTimeModel(
-        *(correction * getattr(profile.step_model, f.name) for f in dataclasses.fields(StepTimeModel))))
-    post_result, post = simulated(run.requests, scaled, config, measured_startup, end_s)
+    correction = float(np.median(run.corrections)) if run.corrections else run.calibration
+    post_result, post = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s)
     sim_counts = [replicas_at([(p.t, p.running + p.starting + p.draining) for p in r.timeline], times)
                   for r in (prior_result, post_result)]
     report = {"real": real, "a_priori": compare(real, prior, real_counts, sim_counts[0]),
               "a_posteriori": compare(real, post, real_counts, sim_counts[1]),
-              "measured": {"startup_s": run.startup_s, "step_correction_median": correction,
+              "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,
+                           "step_correction_median": correction,
                            "step_corrections": run.corrections, "load_average_before": load_before,
                            "load_average_after": load_after},
               "workload": {"phases": PHASES, "input": [INPUT_MEAN, INPUT_CV, MAX_INPUT],
@@ -270,7 +295,8 @@ def main() -> None:
         errors = report[name]["relative_errors"]
         print(f"{name}: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items())
               + f" -> {'within' if report[name]['within_tolerance'] else 'NOT within'} {TOLERANCE:.0%}")
-    print(f"real: {real}; step correction median {correction:.2f}, start-ups {run.startup_s}, load average "
+    print(f"real: {real}; step correction {run.calibration:.2f} calibrated, {correction:.2f} in the run (median), "
+          f"start-ups {run.startup_s}, load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

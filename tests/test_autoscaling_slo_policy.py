@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from autoscaling.capacity import SLO, CapacityModel, RequestSizes
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.signals import DeploymentSignals, ReplicaSignals
 from autoscaling.simulator import ClusterConfig, SLOSimPolicy, simulate
@@ -180,7 +182,12 @@ SERVE = ServeAutoscalingConfig(min_replicas=1, max_replicas=6, upscale_delay_s=5
 
 
 def test_in_the_simulator_it_follows_a_step_up_and_down_and_holds_the_slo():
-    steps = ShapedWorkload("steps", duration_s=600.0, rate=1.2, seed=7)
+    shape = ShapedWorkload("steps", duration_s=600.0, seed=7)
+    sizes = [(r.prompt_tokens, r.output_tokens) for r in shape.requests()[:512]]
+    alone = CapacityModel(PROFILE, SLO()).capacity(RequestSizes(
+        np.array([p for p, _ in sizes], dtype=float), np.zeros(len(sizes)),
+        np.array([o for _, o in sizes], dtype=float))).alone_requests_per_s
+    steps = dataclasses.replace(shape, rate=1.5 * alone)  # its levels then need one replica to several
     result = simulate(steps.requests(), PROFILE, SLOSimPolicy(), ClusterConfig(serve=SERVE, startup_s=10.0))
     alive = [p.running + p.starting + p.draining for p in result.timeline]
     assert min(alive) == 1 and max(alive) > 2
