@@ -19,7 +19,7 @@ $(BIN)/python:
 # torch first, pinned: pip takes the CPU build from this machine's disk instead of a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[bench,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,7 +29,7 @@ $(MODEL): | $(STAMP)
 
 model: $(MODEL)
 
-# SERVE_SMOKE=0 skips `make serve` from a fresh clone (it runs after pytest: one Ray cluster at a time).
+# SERVE_SMOKE=0 skips `make serve` from a fresh copy of the tree (it runs after pytest: one Ray cluster at a time).
 SERVE_SMOKE ?= 1
 test: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
@@ -74,7 +74,7 @@ bench-router: install model
 # Autoscaling policies, simulated on each half of the Mooncake trace and on synthetic steps, bursts and a daily
 # cycle: the SLO policy and queue + KV against Serve's default at its best target (README: Autoscaling; ~10 min).
 .PHONY: bench-autoscale step-profile fit-forecast validate-autoscale
-TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+TRACE ?= loadtests/traces/mooncake_synthetic_trace.jsonl
 bench-autoscale: install
 	$(BIN)/python -m benchmarks.bench_autoscale --trace $(TRACE) --out results/bench_autoscale.json $(BENCH_ARGS)
 
@@ -91,7 +91,8 @@ validate-autoscale: install model
 step-profile: install model
 	$(BIN)/python -m benchmarks.step_profile --model $(MODEL) --out autoscaling/profiles/smollm2-135m-cpu-bf16.json
 
-# `make serve` from a fresh clone of this checkout, answered by one chat request, then stopped.
+# `make serve` from a fresh copy of this checkout (uncommitted changes included; SMOKE_FROM=head: the last
+# commit), answered by one chat request, then stopped.
 serve-smoke:
 	bash scripts/serve_smoke.sh
 

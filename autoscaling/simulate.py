@@ -1,6 +1,6 @@
 """Command line: replay a workload against autoscaling policies, side by side, and write JSON and a plot.
 
-    python -m autoscaling.simulate --trace ../shared/traces/mooncake_synthetic_trace.jsonl --time-scale 0.5 \
+    python -m autoscaling.simulate --trace loadtests/traces/mooncake_synthetic_trace.jsonl --time-scale 0.5 \
         --policies queue_kv ongoing_requests:2 ongoing_requests:16 --max-replicas 6 --out results/simulate.json
 
 A policy is `slo` (knobs as `slo:headroom=0.1,percentile=0.9`), `queue_kv` (thresholds as

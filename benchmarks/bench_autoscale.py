@@ -21,7 +21,7 @@ show their means. Per workload:
 `--levers` also runs the SLO policy without each of its parts, and every policy with a 30 s downscale delay, to
 show what each part gives. Writes JSON, the curves (PNG) and the replica counts over time (PNG).
 
-    python -m benchmarks.bench_autoscale --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+    python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload
 from deployments.autoscaling_config import AutoscalingArgs
+from loadtests.datasets import MOONCAKE_TRACE
+from loadtests.plot import pyplot, save_figure
 
 log = logging.getLogger("bench_autoscale")
 
@@ -67,8 +69,8 @@ class Case:
     end_s: float
 
 
-def cases(trace: str, block_size: int) -> list[Case]:
-    rows = TraceWorkload(trace, block_size).requests()
+def cases(trace: Path, block_size: int) -> list[Case]:
+    rows = TraceWorkload(str(trace), block_size).requests()
     middle = rows[-1].arrival_s / 2
     shift = middle - WARMUP_S
     second = [dataclasses.replace(r, arrival_s=r.arrival_s - shift) for r in rows if r.arrival_s >= shift]
@@ -147,7 +149,7 @@ def compare(ours: Summary, curve: list[Summary]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", required=True)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--block-size", type=int, default=8, help="prompt tokens per trace hash id")
     parser.add_argument("--max-replicas", type=int, default=12)
@@ -210,7 +212,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "trace": args.trace, "block_size": args.block_size, "profile": profile.name,
+        "trace": str(args.trace), "block_size": args.block_size, "profile": profile.name,
         "serve": dataclasses.asdict(serve), "startup_s": args.startup_s, "slo": dataclasses.asdict(slo),
         "seeds": args.seeds, "warmup_s": WARMUP_S, "levers": LEVERS if args.levers else {}, "cases": report,
         "target_met": met}, indent=2) + "\n")
@@ -235,11 +237,7 @@ def _print_case(case: Case, delay: float, summaries: list[Summary], comparisons:
 
 def _plot_curves(report: list[dict], delay: float, path: Path) -> None:
     """Goodput against replica-seconds, one panel per workload: Serve's curve and each policy's point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cases_shown = [r for r in report if r["downscale_delay_s"] == delay]
     fig, axes = plt.subplots(1, len(cases_shown), figsize=(4.2 * len(cases_shown), 4))
     for ax, case in zip(np.atleast_1d(axes), cases_shown):
@@ -260,18 +258,13 @@ def _plot_curves(report: list[dict], delay: float, path: Path) -> None:
         ax.legend(fontsize=7)
     np.atleast_1d(axes)[0].set_ylabel("goodput (good requests/s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _plot_timelines(workloads: list[Case], shown: dict, report: list[dict], delay: float, slo: SLO,
                     path: Path) -> None:
     """Replicas over time (seed 0) per workload: the SLO policy, queue + KV, and Serve at its best target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(workloads), 1, figsize=(11, 2.4 * len(workloads)))
     for c, (ax, case) in enumerate(zip(np.atleast_1d(axes), workloads)):
         best = next(r for r in report if r["workload"] == case.name and r["downscale_delay_s"] == delay)
@@ -286,8 +279,7 @@ def _plot_timelines(workloads: list[Case], shown: dict, report: list[dict], dela
         ax.legend(fontsize=7, loc="upper right")
     np.atleast_1d(axes)[-1].set_xlabel("time (s); shaded: the window judged")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs, default_num_threads, resolve_dtype
+from benchmarks.plot import plot_bars
 from engine.loader import load_model_source
 
 log = logging.getLogger("bench_engine")
@@ -186,7 +187,12 @@ def main() -> None:
         "matmul_gflops": gflops, "flops_per_output_token": per_output, "roofline": roofline,
         "engine": [asdict(r) for r in runs], "transformers": [asdict(r) for r in hf_runs],
     }, indent=2))
-    print(f"wrote {out}")
+    hf_rows = [{"dtype": f"transformers {r.dtype}", "concurrency": r.batch, "output_tok_s": r.output_tok_s}
+               for r in hf_runs]
+    png = plot_bars([asdict(r) for r in runs] + hf_rows, "concurrency", "dtype",
+                    {"output_tok_s": "output tokens/s", "decode_ms_per_step_p50": "decode step p50 (ms)"},
+                    out.with_suffix(".png"), title=f"engine, {args.input_len}-token prompts, {args.output_len} out")
+    print(f"wrote {out} and {png}")
 
 
 if __name__ == "__main__":

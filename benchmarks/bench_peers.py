@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.bench_serve import with_overrides
 from benchmarks.peers.export_hf import export
 
 log = logging.getLogger("bench_peers")
@@ -73,13 +74,8 @@ def tokenline_config(system: System, model: str, path: Path) -> Path:
     import yaml
 
     config = yaml.safe_load((ROOT / system.target).read_text())
-    app_args = config["applications"][0].setdefault("args", {})
-    for key, value in {"model": model, **system.args}.items():
-        *parents, leaf = key.split(".")
-        node = app_args
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    overrides = {"model": model, **{k: yaml.safe_load(v) for k, v in system.args.items()}}
+    with_overrides(config["applications"][0].setdefault("args", {}), overrides)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 

@@ -18,12 +18,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.plot import plot_bars
 from deployments.config import AppArgs
 from deployments.router_config import RouterArgs
+from loadtests.datasets import MOONCAKE_TRACE
 
 log = logging.getLogger("bench_router")
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 POLICIES = ("prefix_aware", "power_of_two")
 
 
@@ -105,7 +106,7 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--trace-start-ms", type=float, default=975398)
     parser.add_argument("--trace-end-ms", type=float, default=1005398)
     parser.add_argument("--time-scale", type=float, default=2.0)
@@ -130,7 +131,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                     "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    log.info("wrote %s", args.out)
+    png = plot_bars([asdict(r) for r in rows], "workload", "policy",
+                    {"hit_rate_pct": "prefix-cache hit rate (%)", "ttft_p50_ms": "TTFT p50 (ms)",
+                     "output_tok_s": "output tokens/s"}, args.out.with_suffix(".png"), title="router policies")
+    log.info("wrote %s and %s", args.out, png)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from autoscaling.workload import RequestSpec
 from deployments.autoscaling_config import AutoscalingArgs
 from deployments.config import AppArgs, EngineArgs
 from deployments.router_config import RouterArgs
+from loadtests.plot import pyplot, save_figure
 
 log = logging.getLogger("validate_autoscale")
 
@@ -306,12 +307,7 @@ def main() -> None:
 
 
 def _plot(times, real_counts, sim_counts, run: RealRun, prior: SimResult, config: SLOConfig, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
     top.step(times, real_counts, where="post", label="real")
     top.step(times, sim_counts[0], where="post", label="simulated (a priori)")
     top.step(times, sim_counts[1], where="post", ls="--", label="simulated (measured start-up and steps)")
@@ -328,8 +324,7 @@ def _plot(times, real_counts, sim_counts, run: RealRun, prior: SimResult, config
     bottom.set_xlabel("seconds into the run")
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

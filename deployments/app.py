@@ -12,6 +12,7 @@ from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
 from deployments.router import request_router_config
+from engine.loader import check_model_source
 
 # Generate runs on the engine replica's main event loop rather than a second one on its own thread: each
 # streamed chunk skips a thread hop, and the engine's step thread fights one fewer thread for the GIL (measured
@@ -23,7 +24,9 @@ def build_app(args: AppArgs) -> Application:
     """Engine replicas (one accelerator each, or a CPU share) behind one autoscaled OpenAI ingress."""
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
-    # Resolve defaults here, once, so every replica loads the same file.
+    # Resolve defaults here, once, so every replica loads the same file; a wrong path fails here, at once, and not
+    # in every replica's constructor, which Serve would retry.
+    check_model_source(args.model_path())
     args = args.model_copy(update={"model": args.model_path(), "served_model_name": args.model_name()})
     if args.ingress_max_replicas < args.ingress_min_replicas:
         raise ValueError(f"ingress_max_replicas ({args.ingress_max_replicas}) is below ingress_min_replicas "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,18 @@ from deployments.limits import LimitsArgs
 from deployments.router_config import RouterArgs, RouterSettings
 from deployments.timeline_config import TimelineArgs
 from engine.config import EngineConfig
+
+# llama.cpp's quantisation names (Q4_1, Q4_K_M, Q8_0, IQ2_XXS, TQ1_0, F16, BF16, FP32, MXFP4) at the end of a file
+# name, after a '.' or '-': `Llama-3.1-8B-Instruct.Q4_K_M.gguf` is served as `Llama-3.1-8B-Instruct`.
+QUANT_TAG = re.compile(r"[.-](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|B?FP?(?:16|32)|MXFP4)$", re.IGNORECASE)
+
+
+def served_name(model_path: str | Path) -> str:
+    """A GGUF file's name without `.gguf` and a trailing quantisation tag; a folder's own name."""
+    path = Path(model_path)
+    if path.suffix != ".gguf":
+        return path.name
+    return QUANT_TAG.sub("", path.stem) or path.stem
 
 
 class EngineArgs(BaseModel):
@@ -45,7 +58,8 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="GGUF file or HF folder; default: the fetched SmolLM2 GGUF")
-    served_model_name: str | None = Field(None, description="name clients send as `model`; default: file stem")
+    served_model_name: str | None = Field(None, description="name clients send as `model`; default: the file "
+                                                            "name without .gguf and a quantisation tag")
     num_engine_replicas: int = Field(2, ge=1)
     engine_num_cpus: float = Field(1.0, ge=0)
     engine_num_gpus: float = Field(0.0, ge=0)
@@ -78,10 +92,7 @@ class AppArgs(BaseModel):
         return str(default_model_path())
 
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        path = Path(self.model_path())
-        return path.name.split(".")[0] if path.suffix == ".gguf" else path.name
+        return self.served_model_name or served_name(self.model_path())
 
     def engine_args(self) -> EngineArgs:
         overrides = {name: getattr(self, name) for name in ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")

@@ -20,7 +20,7 @@ import ray
 from deployments.autoscaling_config import replica_load
 from deployments.block_digest import replica_digest_bits, with_block_digest
 from deployments.config import AppArgs
-from deployments.context import replica_id
+from deployments.context import log_through_serve, replica_id
 from deployments.engine_metrics import EngineMetrics
 from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ModelInfo,
                                  ProfileResult, ReplicaStats, ReplicaSteps, RequestRejected)
@@ -36,6 +36,7 @@ PREEMPTION_WINDOW_S = 10.0  # record_autoscaling_stats reports preemptions per s
 class EngineReplica:
     async def __init__(self, args: AppArgs) -> None:
         started = time.perf_counter()
+        log_through_serve()
         config = args.engine_config()
         self.engine = AsyncEngine(config)
         self.replica_id = replica_id()

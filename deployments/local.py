@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import AppArgs
+from deployments.ray_auth import auth_headers
 from deployments.records import ReplicaStats
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,14 @@ class LocalServe:
     model: str  # the served model name clients send
     metrics_url: str  # Ray's Prometheus export of this node
     args: AppArgs
+    session_dir: str  # this Ray session's folder (its logs are under logs/)
     dashboard_url: str | None = None  # the Ray dashboard, when started with one
 
     def dashboard_json(self, path: str, timeout_s: float = 30.0) -> Any:
         """GET a Ray dashboard API path (e.g. /api/serve/applications/), with this cluster's auth token if any."""
         if self.dashboard_url is None:
             raise RuntimeError("this cluster was started without the dashboard (start(..., dashboard_port=...))")
-        request = urllib.request.Request(f"{self.dashboard_url}{path}", headers=_ray_auth_headers())
+        request = urllib.request.Request(f"{self.dashboard_url}{path}", headers=auth_headers())
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
 
@@ -95,10 +97,11 @@ class LocalServe:
             ray.shutdown()
 
 
-def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metrics_port: int | None = None,
+def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
           metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0,
           dashboard_port: int | None = None) -> LocalServe:
-    """Ray and the app on loopback. Metrics keep Ray's report period unless told (tests shorten it).
+    """Ray and the app on loopback, Ray's Prometheus export on a port Ray picks. Metrics keep Ray's report period
+    unless told (tests shorten it).
 
     With `dashboard_port`, Ray's dashboard (its Serve view and API included) listens on 127.0.0.1 there; it adds
     a dozen idle processes (~1 GB resident), so it is off unless asked for.
@@ -109,19 +112,22 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metric
     from deployments.app import build_app
 
     http_port = http_port or free_port()
-    metrics_port = metrics_port or free_port()
     system_config = {"metrics_report_interval_ms": metrics_report_interval_ms} if metrics_report_interval_ms else {}
     dashboard = {"include_dashboard": False}
     if dashboard_port:
         dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port}
-    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port,
-             log_to_driver=False, configure_logging=False, _system_config=system_config, **dashboard)
+    # Private arguments, as ray.init has no public ones for them: `_node_ip_address` keeps every Ray process on
+    # loopback (`ray start --node-ip-address` is the CLI's door), `_system_config` shortens the metrics period.
+    context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
+                       configure_logging=False, _system_config=system_config, **dashboard)
+    metrics_port = context.address_info["metrics_export_port"]
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         app = build_app(args)
         serve.run(app, name=APP_NAME, route_prefix="/")
         local = LocalServe(base_url=f"http://127.0.0.1:{http_port}", model=args.model_name(),
                            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", args=args,
+                           session_dir=context.address_info["session_dir"],
                            dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard_port else None)
         wait_ready(local.base_url, ready_timeout_s)
     except BaseException:
@@ -129,15 +135,6 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None, metric
         ray.shutdown()
         raise
     return local
-
-
-def _ray_auth_headers() -> dict[str, str]:
-    """The Authorization header Ray's dashboard wants when the cluster uses token auth (Ray's default now)."""
-    try:
-        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
-    except ImportError:  # a Ray without token auth
-        return {}
-    return get_auth_headers_if_auth_enabled({})
 
 
 def wait_ready(base_url: str, timeout_s: float) -> None:

@@ -55,10 +55,10 @@ class LLMEngine:
         self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
                                      kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
                                      time.perf_counter() - started)
-        log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d KV blocks of %d tokens, "
-                 "max_model_len %d, linears=%s", args.architecture, config.dtype, config.device,
-                 self.runner.attention_backend, self.cuda_graphs, self.runner.num_blocks, config.block_size,
-                 self.max_model_len, self.runner.linear_packing or "F.linear")
+        log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d torch threads, %d KV blocks "
+                 "of %d tokens, max context %d tokens, linears %s", args.architecture, config.dtype, config.device,
+                 self.runner.attention_backend, self.cuda_graphs, torch.get_num_threads(), self.runner.num_blocks,
+                 config.block_size, self.max_model_len, self.runner.linear_packing or "F.linear")
 
     @property
     def cuda_graphs(self) -> bool:

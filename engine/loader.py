@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,47 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf")
 
 
-def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """ModelArgs and fp32/bf16 tensors named as transformers names them."""
+MODEL_HINT = ("run `make model` to fetch the default model (SmolLM2-135M-Instruct), or set `model` to a GGUF file or "
+              "a Hugging Face folder")
+GGUF_MAGIC = b"GGUF"
+
+
+def check_model_source(path: str | Path) -> Path:
+    """The path, expanded, if it looks like a model this loader can read: an error naming it and the fix if not.
+
+    Cheap (a stat and a few bytes), so callers run it before starting anything that would fail on it later.
+    """
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist (run `make model` for the default model)")
-    if is_gguf(path):
-        return _load_gguf(path)
-    return _load_hf_folder(path)
+        raise FileNotFoundError(f"model path {path} does not exist: {MODEL_HINT}")
+    if not path.is_dir() and not is_gguf(path):
+        raise ValueError(f"model path {path} is neither a .gguf file nor a Hugging Face folder: {MODEL_HINT}")
+    first = path if is_gguf(path) else path / "config.json"
+    if not first.exists():
+        raise FileNotFoundError(f"model folder {path} has no config.json (a Hugging Face folder holds config.json "
+                                f"and *.safetensors): {MODEL_HINT}")
+    try:
+        with open(first, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise PermissionError(f"cannot read model {first} ({exc.strerror}): {MODEL_HINT}") from None
+    if is_gguf(path) and head != GGUF_MAGIC:
+        raise ValueError(f"model file {path} is not a GGUF file (an interrupted download?): {MODEL_HINT}")
+    if not is_gguf(path) and not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no .safetensors files in the model folder {path}")
+    return path
+
+
+def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """ModelArgs and fp32/bf16 tensors named as transformers names them."""
+    path = check_model_source(path)
+    size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
+    log.info("loading the model from %s (%.0f MB)", path, size / 2**20)
+    start = time.perf_counter()
+    args, weights = _load_gguf(path) if is_gguf(path) else _load_hf_folder(path)
+    log.info("loaded %d tensors of a %d-layer %s in %.1f s", len(weights), args.num_layers, args.architecture,
+             time.perf_counter() - start)
+    return args, weights
 
 
 def _load_hf_folder(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
@@ -49,11 +83,8 @@ def _load_hf_folder(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     from transformers import AutoConfig
 
     args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(path.glob("*.safetensors")):
         weights.update(load_file(f))
     return args, weights
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make serve` from a fresh clone of this checkout (its own venv, install, model fetch), answered by one chat
+# `make serve` from a fresh copy of this checkout (its own venv, install, model fetch), answered by one chat
 # request within a bounded wait, then stopped with Ctrl-C as a person would, and everything it started with it.
+# The copy holds the working tree as it is, uncommitted changes included (the files git tracks or would track);
+# SMOKE_FROM=head takes a `git clone` of the last commit instead.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -29,7 +31,21 @@ stop_serve() {
 cleanup() { stop_serve; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-git clone -q "$ROOT" "$WORK/tokenline"
+copy_worktree() {
+  mkdir -p "$WORK/tokenline"
+  if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    # Tracked files and new ones git does not ignore; a tracked file deleted in the tree is left out.
+    (cd "$ROOT" && git ls-files -z -co --exclude-standard | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) \
+      | tar -xf - -C "$WORK/tokenline"
+  else
+    tar -C "$ROOT" --exclude=.venv --exclude=results --exclude=__pycache__ -cf - . | tar -xf - -C "$WORK/tokenline"
+  fi
+}
+if [ "${SMOKE_FROM:-worktree}" = head ]; then
+  git clone -q "$ROOT" "$WORK/tokenline"
+else
+  copy_worktree
+fi
 cd "$WORK/tokenline"
 echo "serve-smoke: make serve in $WORK/tokenline (log: $WORK/serve.log)"
 setsid make serve HTTP_PORT="$HTTP_PORT" DASHBOARD_PORT="$DASHBOARD_PORT" METRICS_PORT="$METRICS_PORT" \
@@ -58,6 +74,13 @@ PY
 curl -sf -m 10 "http://127.0.0.1:$METRICS_PORT/metrics" -o "$WORK/metrics.txt"
 grep -q "^ray_" "$WORK/metrics.txt" && echo "serve-smoke: Ray's metrics served on port $METRICS_PORT"
 curl -sf -m 10 -o /dev/null "http://127.0.0.1:$DASHBOARD_PORT/" && echo "serve-smoke: dashboard on port $DASHBOARD_PORT"
+grep -q "Ray dashboard: http://127.0.0.1:$DASHBOARD_PORT" "$WORK/serve.log" \
+  || { echo "serve-smoke: make serve did not print the dashboard's address" >&2; exit 1; }
+# Ray's token auth (on by default): the REST API answers with the token `make serve` pointed to.
+TOKEN="$(.venv/bin/ray get-auth-token 2>/dev/null || true)"
+curl -sf -m 10 -o /dev/null -H "Authorization: Bearer $TOKEN" "http://127.0.0.1:$DASHBOARD_PORT/api/serve/applications/" \
+  || { echo "serve-smoke: the dashboard's REST API refused Ray's token" >&2; exit 1; }
+echo "serve-smoke: dashboard REST API answered with the token"
 echo "serve-smoke: ready after $((SECONDS - START))s; stopping"
 stop_serve
 echo "serve-smoke: passed"

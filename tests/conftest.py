@@ -12,8 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `disruptive` (they kill, scale or redeploy the session's app) run last, in file order."""

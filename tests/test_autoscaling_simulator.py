@@ -15,9 +15,9 @@ from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile, StepSample, StepTimeModel
 from autoscaling.workload import RequestSpec, SyntheticWorkload, TraceWorkload
+from loadtests.datasets import MOONCAKE_TRACE
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 PROFILE = ReplicaProfile.load(DEFAULT_PROFILE)
 FAST_SERVE = ServeAutoscalingConfig(min_replicas=1, max_replicas=4, upscale_delay_s=5.0, downscale_delay_s=20.0,
                                     look_back_period_s=5.0, metrics_interval_s=1.0)
@@ -115,9 +115,8 @@ def test_step_model_fit_recovers_known_coefficients_and_ignores_contended_steps(
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE} (../shared is absent)")
 def test_a_mooncake_window_replays_with_shared_prefixes_served_from_cache():
-    requests = TraceWorkload(str(TRACE), block_size=8, start_ms=975_400, end_ms=1_005_400,
+    requests = TraceWorkload(str(MOONCAKE_TRACE), block_size=8, start_ms=975_400, end_ms=1_005_400,
                              max_output_tokens=64).requests()
     assert len(requests) > 100 and all(r.prefix_ids for r in requests)
     result = simulate(requests, PROFILE, QueueKVSimPolicy(), ClusterConfig(serve=FAST_SERVE))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.datasets import MOONCAKE_TRACE
+
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
 REPO = Path(__file__).parents[1]
-TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 FILES = ("profile_export.jsonl", "profile_export_aiperf.json", "profile_export_aiperf.csv", "sweep.png", "sweep.json")
 
 
@@ -67,17 +68,16 @@ def test_locust_headless_run_records_ttft_without_failures(serve_app, tmp_path):
     assert (tmp_path / "report.html").stat().st_size > 0
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared Mooncake trace is not at {TRACE} (a plain clone lacks ../shared)")
 def test_mooncake_replay_keeps_the_trace_schedule_and_reports_prefix_cache_hits(serve_app, tmp_path):
     out = tmp_path / "replay"
-    bench(serve_app, out, "--dataset", "trace", "--trace", str(TRACE), "--num-requests", "30", "--block-size", "8",
-          "--time-scale", "0.5", "--max-output-tokens", "4")
+    bench(serve_app, out, "--dataset", "trace", "--trace", str(MOONCAKE_TRACE), "--num-requests", "30",
+          "--block-size", "8", "--time-scale", "0.5", "--max-output-tokens", "4")
     doc = json.loads((out / "profile_export_aiperf.json").read_text())
     assert doc["request_count"]["avg"] == 30 and doc["error_request_count"]["avg"] == 0
     assert doc["total_usage_prompt_cache_read_tokens"]["avg"] > 0  # the server's usage.prompt_tokens_details
     lines = sorted(records(out), key=lambda r: r["metadata"]["request_start_ns"])
     assert [r["metadata"]["session_num"] for r in lines] == list(range(30))  # sent in trace order
-    trace = [json.loads(line) for line in TRACE.read_text().splitlines()[:30]]
+    trace = [json.loads(line) for line in MOONCAKE_TRACE.read_text().splitlines()[:30]]
     t0 = lines[0]["metadata"]["request_start_ns"]
     for r, row in zip(lines, trace):
         wanted = (row["timestamp"] - trace[0]["timestamp"]) / 1000 * 0.5

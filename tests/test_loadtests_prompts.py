@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,14 +10,13 @@ from hypothesis import strategies as st
 
 from loadtests.arrivals import arrival_offsets, spike_users, step_users
 from loadtests.datasets import (
-    SharedPrefixConfig, SyntheticConfig, TraceConfig, TraceRow, load_trace, scaled_input_length,
+    MOONCAKE_TRACE, SharedPrefixConfig, SyntheticConfig, TraceConfig, TraceRow, load_trace, scaled_input_length,
     shared_prefix_specs, synthetic_specs, trace_specs,
 )
 from loadtests.inputs import PromptCycle
 from loadtests.prompts import PromptBuilder, word_token_ids
 from loadtests.tokenizer import load_tokenizer
 
-TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +85,10 @@ def test_smaller_blocks_scale_the_trace_down_keeping_whole_blocks():
     assert scaled_input_length(TraceRow(0, 3000, 1, ()), 16, 512) == 94
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the shared Mooncake trace is not at {TRACE} (a plain clone lacks ../shared)")
 def test_trace_replay_follows_the_trace_order_and_time_scaled_timing(tokenizer, builder):
-    rows = load_trace(TRACE)
+    rows = load_trace(MOONCAKE_TRACE)
     specs = trace_specs(builder, rows, TraceConfig(block_size=16, time_scale=0.5, max_requests=30))
-    raw = [json.loads(line) for line in TRACE.read_text().splitlines()[:30]]
+    raw = [json.loads(line) for line in MOONCAKE_TRACE.read_text().splitlines()[:30]]
     assert [s.trace_timestamp_ms for s in specs] == [r["timestamp"] for r in raw]
     assert [s.send_offset_s for s in specs] == pytest.approx([(r["timestamp"] - raw[0]["timestamp"]) / 1000 * 0.5
                                                               for r in raw])

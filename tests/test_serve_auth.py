@@ -106,11 +106,8 @@ def test_admin_endpoints_need_the_admin_key(serve_app):
                 assert response.status_code == 403 and response.json()["error"]["code"] == "admin_key_not_configured"
 
 
-def session_log_files() -> list[Path]:
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    return [p for p in logs.rglob("*") if p.is_file()]
+def session_log_files(serve_app) -> list[Path]:
+    return [p for p in (Path(serve_app.session_dir) / "logs").rglob("*") if p.is_file()]
 
 
 def test_keys_prompts_and_outputs_stay_out_of_the_logs(serve_app):
@@ -126,7 +123,7 @@ def test_keys_prompts_and_outputs_stay_out_of_the_logs(serve_app):
         assert_401(http.get("/v1/models", headers=bearer(key + "x")))
     time.sleep(2)  # Ray flushes worker logs to files in the background
     needles = [key.encode(), marker.encode()] + ([output.encode()] if marker in output else [])
-    files = session_log_files()
+    files = session_log_files(serve_app)
     assert files
     leaks = [(p.name, n) for p in files for n in needles if n in p.read_bytes()]
     assert not leaks

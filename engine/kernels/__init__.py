@@ -43,6 +43,7 @@ class KernelLoad:
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
 STALE_LOCK_S = 600.0
+BUILT_AFTER_S = 5.0  # a load that took longer compiled the kernels (loading a cached build takes well under 1 s)
 
 
 def cpu_kernels_available() -> bool:
@@ -80,10 +81,18 @@ def _load() -> bool:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         name = _build_name()
-        _remove_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        _remove_stale_lock(build_dir / "lock")
+        if not any(build_dir.glob("*.so")):
+            log.info("compiling the native CPU kernels: once per machine and version, about 30 s (cached in %s)",
+                     build_dir)
+        start = time.perf_counter()
         here = Path(__file__).parent
         load(name=name, sources=[str(here / s) for s in SOURCES], is_python_module=False,
              extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+        elapsed = time.perf_counter() - start
+        if elapsed > BUILT_AFTER_S:
+            log.info("compiled the native CPU kernels in %.0f s; later starts load them from %s", elapsed, build_dir)
         return all(hasattr(torch.ops.tokenline, op) for op in
                    ("paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"))
     except Exception as exc:  # no compiler, no ninja, an unsupported platform: all mean "use plain torch"
