@@ -23,15 +23,17 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import ray
 
+from deployments.autoscaling_config import replica_load
 from deployments.block_digest import replica_digest_bits, with_block_digest
 from deployments.config import AppArgs
 from deployments.context import log_through_serve, replica_id
 from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
-from deployments.records import (EngineRequest, EngineTimeline, GenerationChunk, ModelInfo, ProfileResult,
-                                 ReplicaStats, ReplicaSteps, RequestRejected)
+from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ModelInfo,
+                                 ProfileResult, ReplicaStats, ReplicaSteps, RequestRejected)
 from engine import AsyncEngine, EngineOutput, InvalidRequestError
 from engine.failures import FailureKind, RequestFailure
 from engine.outputs import SchedulerStats
@@ -54,6 +56,7 @@ class ChoiceFailed(Exception):
 
 class EngineReplica:
     async def __init__(self, args: AppArgs) -> None:
+        started = time.perf_counter()
         log_through_serve()
         config = args.engine_config()
         self.engine = AsyncEngine(config, on_death=self._exit_on_engine_death)
@@ -69,9 +72,12 @@ class EngineReplica:
         self.timelines = args.timeline.enabled
         self.profiler_dir = Path(args.profiler_dir).expanduser() if args.profiler_dir else None
         self.profiler = StepProfiler(config.device)
-        log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads",
-                 self.replica_id, config.model, config.device, core.runner.attention_backend, core.cuda_graphs,
-                 config.num_threads)
+        self.load = replica_load(args.autoscaling)  # the capacity and offered load the SLO policy reads
+        self._cold_start = ColdStart(self.replica_id, psutil.Process().create_time(), time.time(),
+                                     time.perf_counter() - started, core.startup)
+        log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads; "
+                 "cold start %s", self.replica_id, config.model, config.device, core.runner.attention_backend,
+                 core.cuda_graphs, config.num_threads, self._cold_start)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
@@ -82,8 +88,11 @@ class EngineReplica:
         if refusal is not None:
             yield refusal
             return
-        for _ in prompts:
+        for prompt in prompts:
             self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+            if self.load is not None:
+                for _ in range(request.n):
+                    self.load.arrived(time.time(), len(prompt), request.sampling.max_tokens)
         self._num_active_streams += 1
         try:
             choices = [self._choice(request, prompt, i * request.n + j, j, entered)
@@ -149,6 +158,8 @@ class EngineReplica:
             if out.finished:
                 self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
                                              out.num_output_tokens, out.timings)
+                if self.load is not None:
+                    self.load.finished(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
             timeline = None
             if self.timelines:
                 offset = time.monotonic() - entered
@@ -195,6 +206,9 @@ class EngineReplica:
         log.info("profile written to %s", path)
         return ProfileResult(self.replica_id, running=False, changed=True, path=str(path))
 
+    async def cold_start(self) -> ColdStart:
+        return self._cold_start
+
     async def model_info(self) -> ModelInfo:
         core = self.engine.engine
         return ModelInfo(limits=core.limits, eos_token_ids=tuple(core.eos_token_ids),
@@ -225,10 +239,15 @@ class EngineReplica:
         """Ray Serve's custom-autoscaling hook: read by autoscaling.policy as `ctx.aggregated_metrics` (each key
         averaged over the look-back window, per replica). Numbers only, as Serve requires."""
         s = self.engine.stats()
-        since = time.time() - PREEMPTION_WINDOW_S
-        preempted = sum(step.num_preempted for step in _snapshot(self.engine.engine.step_history) if step.time >= since)
-        return {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
-                "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
+        now = time.time()
+        steps = _snapshot(self.engine.engine.step_history)
+        preempted = sum(step.num_preempted for step in steps if step.time >= now - PREEMPTION_WINDOW_S)
+        stats = {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
+                 "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
+        if self.load is not None:
+            self.load.add_steps(steps)
+            stats.update(self.load.metrics(now))
+        return stats
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:

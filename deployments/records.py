@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import SchedulerStats
+from engine.outputs import EngineStartup, SchedulerStats
 from engine.request import TokenLogprobs
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
@@ -128,3 +128,14 @@ class ProfileResult:
     running: bool
     changed: bool  # False: it was already in that state
     path: str | None = None
+
+
+@dataclass
+class ColdStart:
+    """Where an engine replica's start went, from its worker process's start to ready (wall clock)."""
+
+    replica_id: str
+    process_started_at: float  # time.time() when the worker process started
+    ready_at: float
+    init_s: float  # the replica's own construction: the engine and what surrounds it
+    engine: EngineStartup  # within that: weights, model, kernels (and whether they were compiled)

@@ -22,7 +22,8 @@ from engine.failures import EngineFatalError, FailureKind, RequestFailure, leave
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, read_generation_eos
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineOutput, EngineStats, SchedulerStats
+from engine.kernels import kernel_load
+from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.request import EventKind, Request, RequestStatus
 from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -38,6 +39,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig,
                  source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
+        started = time.perf_counter()
         block_size = effective_block_size(config.attention_backend, config.block_size)
         if block_size != config.block_size:
             log.info("the %s backend needs KV blocks of %d tokens: block_size %d becomes %d",
@@ -54,7 +56,9 @@ class LLMEngine:
         # Structured output: the grammar's end is the model's first end-of-sequence token.
         self.grammars = GrammarCompiler(config.model, args.vocab_size, self.eos_token_ids[0]) \
             if self.eos_token_ids else None
+        loaded = time.perf_counter()
         self.runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars)
+        built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
@@ -69,6 +73,10 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
+        kernels = kernel_load()
+        self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
+                                     kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
+                                     time.perf_counter() - started)
         log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d torch threads, %d KV blocks "
                  "of %d tokens, max context %d tokens, linears %s", args.architecture, config.dtype, config.device,
                  self.runner.attention_backend, self.cuda_graphs, torch.get_num_threads(), self.runner.num_blocks,
@@ -145,7 +153,8 @@ class LLMEngine:
             sampled_outputs = self._advance(sched, sampled)
         except Exception as exc:
             return outputs + self._fail_batch(sched, computed, exc, "running")
-        self._record_step(sched, decodes, start, time.perf_counter() - t0, schedule_s, len(sampled_outputs))
+        self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s,
+                          len(sampled_outputs))
         return outputs + sampled_outputs
 
     def _advance(self, sched: SchedulerOutput, sampled: dict) -> list[EngineOutput]:
@@ -181,10 +190,15 @@ class LLMEngine:
             outputs.append(self._output(request, [token], [logprobs] if logprobs else []))
         return outputs
 
-    def _record_step(self, sched: SchedulerOutput, decodes: list[bool], start: float, duration_s: float,
-                     schedule_s: float, num_sampled: int) -> None:
+    def _record_step(self, sched: SchedulerOutput, decodes: list[bool], computed: dict[str, int], start: float,
+                     duration_s: float, schedule_s: float, num_sampled: int) -> None:
+        """`computed`: each request's KV length before the step."""
         decode_tokens = sum(decodes)
         prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
+        # The context the decodes attend to, and the prefill's attention work (query x key tokens, millions).
+        context_tokens = sum(computed[s.request.request_id] + 1 for s, d in zip(sched.scheduled, decodes) if d)
+        attention = sum(s.num_new_tokens * (computed[s.request.request_id] + s.num_new_tokens / 2)
+                        for s, d in zip(sched.scheduled, decodes) if not d) / 1e6
         finished = sum(1 for s in sched.scheduled if s.request.is_finished)
         self._generation_tokens += num_sampled
         self._finished += finished
@@ -201,7 +215,8 @@ class LLMEngine:
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
             num_prefill_requests=len(decodes) - decode_tokens, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired), schedule_s=schedule_s,
+            prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired), num_context_tokens=context_tokens,
+            prefill_attention=attention, schedule_s=schedule_s,
             prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
             sample_s=self.runner.times.sample_s))
 

@@ -4,6 +4,8 @@ Only local paths: nothing here reaches a hub.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -19,6 +21,7 @@ from engine.config import ModelArgs
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DEQUANTIZED_VERSION = 2  # bump when the conversion below changes: older dequantized copies are then ignored
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -96,6 +99,9 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     from gguf import GGUFReader, dequantize
 
+    cached = _dequantized_path(path)
+    if cached.exists():
+        return _load_dequantized(cached)
     reader = GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
@@ -129,7 +135,42 @@ def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             heads = args.num_heads if ".attn_q." in name else args.num_kv_heads
             array = _unpermute_qk(array, heads)
         weights[_hf_name(name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    _save_dequantized(args, weights, cached)
     return args, weights
+
+
+def _dequantized_path(path: Path) -> Path:
+    """Where the dequantized tensors of this GGUF file (this size, this modification time) are kept: a replica
+    that starts later reads them instead of dequantizing again (~3 s of CPU here, far more on a busy machine)."""
+    from engine.model_fetch import cache_dir
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{DEQUANTIZED_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_dir() / "dequantized" / f"{path.stem}-{key.hexdigest()[:16]}.safetensors"
+
+
+def _load_dequantized(cached: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(cached, framework="pt") as f:
+        fields = json.loads(f.metadata()["model_args"])
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    return ModelArgs(**fields), load_file(cached)
+
+
+def _save_dequantized(args: ModelArgs, weights: dict[str, torch.Tensor], target: Path) -> None:
+    """Best effort: a full disk or a read-only cache only costs the next start its dequantizing."""
+    from safetensors.torch import save_file
+
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, partial, metadata={"model_args": json.dumps(dataclasses.asdict(args))})
+        partial.replace(target)  # atomic: a replica reading at the same time sees the whole file or none
+    except OSError as exc:
+        log.warning("could not keep the dequantized weights at %s: %s", target, exc)
+        partial.unlink(missing_ok=True)
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

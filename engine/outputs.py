@@ -54,6 +54,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up this step
     prefix_cache_hits: int
     num_finished: int
+    num_context_tokens: int = 0  # tokens of KV the decodes attended to, summed (the step model's context term)
+    prefill_attention: float = 0.0  # prefill chunks' (query, key) pairs, in millions
     # Where the step's time went; what is left of duration_s is turning samples into outputs.
     schedule_s: float = 0.0
     prepare_s: float = 0.0  # the batch's input tensors
@@ -78,3 +80,15 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_finished_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStartup:
+    """Where an engine's construction went: reading the weights, building the model (prepacking included), and
+    within that the native kernels (compiled when `kernels_built`, a build-cache miss)."""
+
+    weights_s: float  # 0 when the caller handed the weights in
+    model_s: float
+    kernels_s: float
+    kernels_built: bool
+    total_s: float

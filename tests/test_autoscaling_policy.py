@@ -139,7 +139,9 @@ def serve_context(metrics: dict[str, dict[str, float]], running: list[str], targ
     return SimpleNamespace(deployment_name="EngineReplica", aggregated_metrics=metrics, running_replicas=running,
                            current_num_replicas=len(running), target_num_replicas=target,
                            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
-                           total_num_requests=ongoing, policy_state=state or {}, current_time=100.0)
+                           total_num_requests=ongoing, policy_state=state or {}, current_time=100.0,
+                           config=SimpleNamespace(upscale_delay_s=10.0, look_back_period_s=10.0,
+                                                  metrics_interval_s=1.0))
 
 
 def test_serve_adapter_reads_aggregated_metrics_per_replica_and_keeps_its_state_under_its_key():
