@@ -29,6 +29,7 @@ from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     deadline: float | None
+    tenancy: Tenancy = DEFAULT_TENANCY
 
 
 @dataclass
@@ -136,7 +138,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        arrival_time: float | None = None,
-                       deadline: float | None = None) -> AsyncIterator[EngineOutput]:
+                       deadline: float | None = None,
+                       tenancy: Tenancy = DEFAULT_TENANCY) -> AsyncIterator[EngineOutput]:
         """Streams outputs until the request finishes; closing the iterator aborts the request. A request still
         waiting at `deadline` (time.time()) is dropped: its final output carries the failure."""
         if not self.is_healthy:
@@ -152,7 +155,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending[request_id] = self.engine.output_lengths.job_of_new(len(prompt_token_ids), params)
-        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline))
+        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline, tenancy))
         finished = False
         try:
             while not finished:
@@ -246,7 +249,8 @@ class AsyncEngine:
                 continue  # its consumer left before the step loop saw it
             try:
                 self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                        message.arrival_time, message.deadline, validated=True)
+                                        message.arrival_time, message.deadline, validated=True,
+                                        tenancy=message.tenancy)
             except InvalidRequestError as exc:
                 self._deliver(message.request_id, exc)
             except Exception as exc:

@@ -123,6 +123,9 @@ class EngineConfig:
     seed: int = 0
     step_history: int = 512  # recent SchedulerStats kept (metrics read them; the step trace shows them)
     record_request_events: bool = True  # each request's lifecycle events (RequestTimings.events)
+    # Fair share between tenants (engine.tenancy): what one computed prompt token and one output token cost.
+    fair_share_prompt_weight: float = 1.0
+    fair_share_output_weight: float = 2.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,6 +137,8 @@ class EngineConfig:
             raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if not (self.fair_share_prompt_weight >= 0 and self.fair_share_output_weight >= 0):
+            raise ValueError("fair_share_prompt_weight and fair_share_output_weight must be >= 0")
         resolve_dtype(self.dtype)
 
     @property
