@@ -144,7 +144,8 @@ class EngineReplica:
         last_token_time: float | None = None
         first_chunk_s: float | None = None
         async for out in self.engine.generate(prompt, params, f"{request.request_id}-{index}",
-                                              request.arrival_time or None, request.deadline):
+                                              request.arrival_time or None, request.deadline,
+                                              request.tenancy):
             if out.failure is not None:
                 self.metrics.record_finished("error", out.num_prompt_tokens, out.num_output_tokens, out.timings)
                 raise ChoiceFailed(out.failure)
