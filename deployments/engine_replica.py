@@ -159,6 +159,8 @@ class EngineReplica:
             if out.finished:
                 self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
                                              out.num_output_tokens, out.timings)
+                self.metrics.record_tenant_usage(request.tenancy.tenant, out.num_prompt_tokens,
+                                                 out.num_cached_tokens, out.num_output_tokens)
                 if self.load is not None:
                     self.load.finished(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
             timeline = None
