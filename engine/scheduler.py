@@ -88,6 +88,8 @@ class Scheduler:
         now = time.time()
         self._drop_expired(now, out)
         self._preempt_for_priority(now, out)
+        if len(self.fair.counters) > 1:  # one tenant alone needs no share kept for others
+            self._preempt_for_fair_share(now, out)
 
         i = 0
         short_of_blocks = False
@@ -166,6 +168,35 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim, now)
             out.preempted.append(victim)
+
+    def _preempt_for_fair_share(self, now: float, out: SchedulerOutput) -> None:
+        """The next waiting request's tenant has nothing running here and cannot start (slots or blocks taken):
+        the most-served tenant running two or more gives up its newest request of no higher priority, so every
+        tenant with work holds at least one slot (its blocks stay in the prefix cache for its return)."""
+        head = self.waiting.peek()
+        if head is None or not head.ready or not self.running:
+            return
+        needed = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        if len(self.running) < self.max_num_seqs and self.kv.pool.num_free_blocks >= needed:
+            return
+        running: dict[str, int] = {}
+        for request in self.running:
+            running[request.tenancy.tenant] = running.get(request.tenancy.tenant, 0) + 1
+        if head.tenancy.tenant in running:
+            return
+        crowded = [t for t, n in running.items() if n > 1]
+        if not crowded:
+            return
+        richest = max(crowded, key=self.fair.counter)
+        for victim in self.running[::-1]:  # a copy: victims leave the list
+            if running[richest] < 2 or (len(self.running) < self.max_num_seqs
+                                        and self.kv.pool.num_free_blocks >= needed):
+                return
+            if victim.tenancy.tenant == richest and victim.tenancy.priority >= head.tenancy.priority:
+                self.running.remove(victim)
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+                running[richest] -= 1
 
     def _charge(self, out: SchedulerOutput) -> None:
         """The step's tokens, to each tenant's virtual token counter."""

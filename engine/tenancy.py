@@ -61,7 +61,7 @@ class FairShare:
 
 
 class WaitingQueue:
-    """Requests not running, by priority, then tenant (least counter first), then arrival within a tenant.
+    """Requests not running, by priority, then tenant (least counter first, then least waiting), then arrival.
 
     Choosing the next request costs O(priorities + tenants waiting); one priority and one tenant is a deque."""
 
@@ -101,8 +101,9 @@ class WaitingQueue:
         tenants = self._queues[min(self._queues)]
         if len(tenants) == 1:
             return next(iter(tenants.values()))[0]
-        counter = self.fair.counter
-        return tenants[min(tenants, key=counter)][0]
+        counter, waiting = self.fair.counter, self._per_tenant
+        # Equal counters (a tenant lifted to the others' level on arrival): the one with less waiting goes first.
+        return tenants[min(tenants, key=lambda t: (counter(t), waiting[t]))][0]
 
     def remove(self, request: Request) -> None:
         tenancy = request.tenancy
