@@ -49,6 +49,9 @@ class EngineArgs(BaseModel):
     enforce_eager: bool = Field(False, description="GPU only: no CUDA graphs for decode steps")
     prepack_weights: bool = True
     num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
+    fair_share_prompt_weight: float = Field(1.0, ge=0, description="what a computed prompt token costs a tenant "
+                                                                   "in the fair-share counters")
+    fair_share_output_weight: float = Field(2.0, ge=0, description="what an output token costs a tenant")
     seed: int = 0
 
 

@@ -251,10 +251,6 @@ class _Shared:
 _shared = _Shared()
 
 
-def limiter() -> TenantLimiter:
-    return _shared.limiter
-
-
 class TenantLimitsMiddleware:
     """Admits or refuses generation requests of limited tenants before the handler runs; keeps each admitted one
     counted in flight until its response has ended, and puts the `x-ratelimit-*` headers on every answer."""

@@ -10,16 +10,12 @@ each, named by position (`key-1`, `key-2`, ... over the variable, then the file)
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.tenancy import Tenancy
-
-log = logging.getLogger(__name__)
 
 SALT_SEPARATOR = "\x1f"  # never in a tenant's name, so no cache_salt makes one tenant's salt equal another's
 ANONYMOUS = "anonymous"
@@ -144,7 +140,3 @@ def parse_tenants(text: str) -> list[tuple[bytes, Tenant]]:
     if not out:
         raise TenantsFileError("no tenant has a key")
     return out
-
-
-def read_tenants_file(path: Path) -> list[tuple[bytes, Tenant]]:
-    return parse_tenants(path.read_text())

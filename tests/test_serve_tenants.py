@@ -7,14 +7,12 @@ import asyncio
 import os
 import random
 import statistics
-import time
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.bench_tenants import flood_and_trickle
 from deployments.auth import SecurityArgs
 from tests.serve_processes import configure_ingress_security, set_engine_max_num_seqs
 
@@ -120,61 +118,18 @@ def test_concurrent_requests_past_the_limit_get_429_and_pass_once_the_first_ends
     asyncio.run(run())
 
 
-async def ttft_s(http: httpx.AsyncClient, app, tenant: str, prompt: str, max_tokens: int) -> float:
-    started = time.perf_counter()
-    first = None
-    async with http.stream("POST", "/v1/completions", headers=headers(tenant),
-                           json={"model": app.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                                 "ignore_eos": True, "temperature": 0}) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                first = time.perf_counter() - started
-    assert first is not None
-    return first
-
-
 def test_tenant_flooding_past_capacity_leaves_another_tenants_first_tokens_quick(tenants):
     """Engines at 4 batch slots each; the flood keeps 4x that in flight. Under FCFS the trickle would wait behind
-    the flood's whole queue, as the flood's own requests do; by fair share it waits for one slot."""
+    the flood's whole queue, as the flood's own requests do; by fair share it waits for one slot at most."""
     slots = 4
     before = set_engine_max_num_seqs(slots)
     try:
-        flood_ttfts, trickle_ttfts, alone = asyncio.run(_flood_and_trickle(tenants, 4 * slots * len(before)))
+        run = asyncio.run(flood_and_trickle(tenants.base_url, tenants.model, KEYS["flood"], KEYS["trickle"],
+                                            4 * slots * len(before), num_trickle=6))
     finally:
         for value in set(before.values()):
             set_engine_max_num_seqs(value)
-    alone_p50, trickle_p50 = statistics.median(alone), statistics.median(trickle_ttfts)
-    flood_p50 = statistics.median(flood_ttfts)
-    print(f"trickle TTFT p50 alone {alone_p50:.3f}s, during the flood {trickle_p50:.3f}s; flood {flood_p50:.3f}s")
-    assert trickle_p50 < flood_p50 / 2, (alone_p50, trickle_p50, flood_p50)
-    assert trickle_p50 <= max(6 * alone_p50, alone_p50 + 1.5), (alone_p50, trickle_p50, flood_p50)
-
-
-async def _flood_and_trickle(app, num_streams: int) -> tuple[list[float], list[float], list[float]]:
-    rng = random.Random(RUN)
-
-    def fresh_prompt() -> str:  # unique, so the prefix cache does not shorten anyone's prefill
-        return " ".join(rng.choices(["alpha", "beta", "gamma", "delta", "omega", "sigma"], k=24))
-
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=120,
-                                 limits=httpx.Limits(max_connections=num_streams + 8)) as http:
-        alone = [await ttft_s(http, app, "trickle", fresh_prompt(), 2) for _ in range(5)]
-        stop = asyncio.Event()
-        flood_ttfts: list[float] = []
-
-        async def flood() -> None:
-            while not stop.is_set():
-                flood_ttfts.append(await ttft_s(http, app, "flood", fresh_prompt(), 24))
-
-        flooders = [asyncio.create_task(flood()) for _ in range(num_streams)]
-        try:
-            await asyncio.sleep(3.0)  # queues build up
-            trickle = []
-            for _ in range(6):
-                trickle.append(await ttft_s(http, app, "trickle", fresh_prompt(), 2))
-                await asyncio.sleep(0.3)
-        finally:
-            stop.set()
-            await asyncio.gather(*flooders)
-    return flood_ttfts, trickle, alone
+    alone, trickle, flood = (statistics.median(v) for v in (run.alone_s, run.trickle_s, run.flood_s))
+    print(f"trickle TTFT p50 alone {alone:.3f}s, during the flood {trickle:.3f}s; the flood's own {flood:.3f}s")
+    assert trickle < flood / 2, (alone, trickle, flood)
+    assert trickle <= max(6 * alone, alone + 1.5), (alone, trickle, flood)
