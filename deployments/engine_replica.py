@@ -117,7 +117,7 @@ class EngineReplica:
                 self.engine.validate(prompt, request.sampling, request.n)
         except InvalidRequestError as exc:
             return RequestRejected(str(exc), exc.param, exc.code)
-        if not self.engine.has_room(num_choices):
+        if not self.engine.has_room(num_choices, request.tenancy.tenant):
             limit = self.engine.engine.config.max_num_waiting
             return RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
                                    f"engine.max_num_waiting); retry shortly", code="server_overloaded", status=503,

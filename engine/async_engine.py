@@ -93,6 +93,7 @@ class AsyncEngine:
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
+        self._pending_tenants: dict[str, str] = {}  # their tenants, by request id
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -116,9 +117,16 @@ class AsyncEngine:
         """Raises InvalidRequestError for a request this engine cannot run (engine.request_limits)."""
         self.engine.validate(prompt_token_ids, params, n)
 
-    def has_room(self, num_requests: int = 1) -> bool:
+    def has_room(self, num_requests: int = 1, tenant: str | None = None) -> bool:
+        """Room in the waiting queue (`max_num_waiting`). When it is full, a tenant with nothing queued still gets
+        one request in: one tenant flooding the queue does not shut the others out."""
         limit = self.engine.config.max_num_waiting
-        return limit is None or self.num_waiting + num_requests <= limit
+        if limit is None or self.num_waiting + num_requests <= limit:
+            return True
+        if tenant is None or num_requests > 1 or self.engine.scheduler.waiting.count(tenant):
+            return False
+        with self._lock:
+            return tenant not in self._pending_tenants.values()
 
     def predicted_wait_s(self) -> float | None:
         """Seconds until a request accepted now could start, after what this engine holds and what it accepted
@@ -146,7 +154,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine step loop has stopped")
         request_id = request_id or uuid.uuid4().hex
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
-        if not self.has_room():
+        if not self.has_room(1, tenancy.tenant):
             raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting "
                                         f"(max_num_waiting={self.engine.config.max_num_waiting})")
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
@@ -155,6 +163,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending[request_id] = self.engine.output_lengths.job_of_new(len(prompt_token_ids), params)
+            self._pending_tenants[request_id] = tenancy.tenant
         self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline, tenancy))
         finished = False
         try:
@@ -174,6 +183,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
                 self._pending.pop(request_id, None)
+                self._pending_tenants.pop(request_id, None)
             if not finished:
                 self._send(_Abort(request_id))
 
@@ -245,6 +255,7 @@ class AsyncEngine:
             with self._lock:
                 alive = message.request_id in self._streams
                 self._pending.pop(message.request_id, None)
+                self._pending_tenants.pop(message.request_id, None)
             if not alive:
                 continue  # its consumer left before the step loop saw it
             try:

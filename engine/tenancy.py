@@ -82,6 +82,10 @@ class WaitingQueue:
             for queue in self._queues[priority].values():
                 yield from queue
 
+    def count(self, tenant: str) -> int:
+        """Requests of `tenant` waiting (read from other threads too: one dict lookup)."""
+        return self._per_tenant.get(tenant, 0)
+
     def append(self, request: Request) -> None:
         self._queue_for(request, arriving=True).append(request)
 

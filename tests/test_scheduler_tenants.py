@@ -189,3 +189,42 @@ def test_cache_salt_separates_prefix_cache_hits(make_engine):
     assert cached_tokens("b-1", Tenancy("b", cache_salt="b")) == 0  # another salt sees nothing of a's
     assert cached_tokens("a-2", Tenancy("a", cache_salt="a")) == 36  # its own salt hits (last block recomputed)
     assert cached_tokens("anon", Tenancy()) == 0  # no salt: not a's either
+
+
+def test_full_waiting_queue_still_takes_one_request_of_a_tenant_with_nothing_queued(make_engine):
+    import asyncio
+
+    from engine import AsyncEngine, EngineOverloadedError
+
+    core = make_engine(max_num_seqs=1, max_num_waiting=2)
+    engine = AsyncEngine(core.config, engine=core)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    flood = Tenancy("flood")
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(drain(engine.generate(prompt(0), long, tenancy=flood)))]
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if engine.stats().num_running:
+                break
+        tasks += [asyncio.create_task(drain(engine.generate(prompt(i), long, tenancy=flood))) for i in (1, 2)]
+        await asyncio.sleep(0.1)
+        assert engine.num_waiting == 2 and not engine.has_room(1, "flood")
+        with pytest.raises(EngineOverloadedError):
+            await drain(engine.generate(prompt(9), long, tenancy=flood))
+        assert engine.has_room(1, "quiet")
+        quiet = asyncio.create_task(drain(engine.generate(prompt(10), long, tenancy=Tenancy("quiet"))))
+        await asyncio.sleep(0)  # queued: a slot frees only when the running request's 400 tokens are done
+        assert not engine.has_room(1, "quiet")  # one each: its next one waits like everyone's
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(quiet, *tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
