@@ -38,6 +38,17 @@ def prompt(i: int, length: int = 24) -> list[int]:
     return [(i * 31 + k * 7) % 500 + 3 for k in range(length)]
 
 
+def admission_order(engine: LLMEngine) -> list[str]:
+    """Steps until every request finished; the ids in the order they first ran."""
+    order: list[str] = []
+    for _ in range(200):
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+        if not engine.has_unfinished():
+            break
+    return order
+
+
 def cost(request, fair: FairShare) -> float:
     return request.num_prompt_tokens * fair.prompt_token_weight + request.num_output_tokens * fair.output_token_weight
 
@@ -126,14 +137,7 @@ def test_higher_priority_request_is_admitted_before_the_queue_ahead_of_it(make_e
         engine.add_request(f"low-{i}", prompt(i), PARAMS)
     engine.step()
     engine.add_request("urgent", prompt(50), PARAMS, tenancy=Tenancy(priority=-1))
-    admitted: list[str] = []
-    for _ in range(200):
-        engine.step()
-        for r in engine.scheduler.running:
-            if r.request_id not in admitted:
-                admitted.append(r.request_id)
-        if not engine.has_unfinished():
-            break
+    admitted = admission_order(engine)
     later = admitted[admitted.index("urgent"):]
     assert all(f"low-{i}" in later for i in range(2, 6)), admitted  # every request queued ahead came after it
 
@@ -162,15 +166,7 @@ def test_requested_priority_orders_within_one_tenant_and_equal_priorities_stay_f
     engine = make_engine(max_num_seqs=1)
     for i, p in enumerate([0, 0, 2, 1, 0]):
         engine.add_request(f"r{i}", prompt(i), PARAMS, tenancy=Tenancy(priority=p))
-    order: list[str] = []
-    for _ in range(200):
-        engine.step()
-        for r in engine.scheduler.running:
-            if r.request_id not in order:
-                order.append(r.request_id)
-        if not engine.has_unfinished():
-            break
-    assert order == ["r0", "r1", "r4", "r3", "r2"]
+    assert admission_order(engine) == ["r0", "r1", "r4", "r3", "r2"]
 
 
 def test_cache_salt_separates_prefix_cache_hits(make_engine):
