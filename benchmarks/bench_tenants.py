@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench_tenants.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
     from deployments import local
     from deployments.auth import SecurityArgs
