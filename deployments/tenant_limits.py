@@ -7,19 +7,16 @@ prompt's tokens plus `max_tokens` for each choice. Past a limit the answer is 42
 to a limited tenant carries: limit, remaining and reset (time until the bucket is full again) for requests and
 for tokens.
 
-Several ingress replicas: each decides from its own buckets, and every `sync_interval_s` reports what it took
-since its last report (and its requests in flight) to one ledger actor per app (TenantLedger), which holds the
-deployment-wide buckets and answers with their levels and the other replicas' requests in flight. So the limits
-hold for the deployment as a whole, give or take what the other replicas admit within one sync interval.
+Several ingress replicas: each decides from its own buckets and shares them through the app's ledger
+(deployments/tenant_ledger.py).
 """
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deployments import auth
@@ -29,9 +26,6 @@ from deployments.tenants import Tenant, TenantLimits
 log = logging.getLogger(__name__)
 
 LIMITED_PATHS = ("/v1/completions", "/v1/chat/completions")
-LEDGER_NAME = "tokenline-tenant-ledger"
-SYNC_INTERVAL_S = 1.0
-STALE_REPORT_S = 5 * SYNC_INTERVAL_S
 _LEASE: contextvars.ContextVar["Lease | None"] = contextvars.ContextVar("tokenline_tenant_lease", default=None)
 
 
@@ -81,11 +75,11 @@ class TenantState:
     def configure(self, limits: TenantLimits) -> None:
         """Limits read again from the tenants file: a bucket keeps its level, capped by its new size."""
         self.limits = limits
-        self.requests = _resized(self.requests, limits.requests_per_minute)
-        self.tokens = _resized(self.tokens, limits.tokens_per_minute)
+        self.requests = resized(self.requests, limits.requests_per_minute)
+        self.tokens = resized(self.tokens, limits.tokens_per_minute)
 
 
-def _resized(bucket: Bucket | None, per_minute: int | None) -> Bucket | None:
+def resized(bucket: Bucket | None, per_minute: int | None) -> Bucket | None:
     if per_minute is None:
         return None
     if bucket is None:
@@ -178,45 +172,6 @@ class TenantLimiter:
             state.others_in_flight = others
 
 
-class TenantLedger:
-    """The deployment-wide buckets, fed by every ingress replica's reports (a Ray actor in the app)."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, Bucket] = {}
-        self.tokens: dict[str, Bucket] = {}
-        self.in_flight: dict[str, dict[str, tuple[int, float]]] = {}  # tenant -> replica -> (in flight, when)
-
-    def report(self, replica: str, limits: dict[str, TenantLimits],
-               usage: dict[str, tuple[int, int, int]]) -> dict[str, tuple[float | None, float | None, int]]:
-        now = time.monotonic()
-        answer = {}
-        for name, (taken_requests, taken_tokens, in_flight) in usage.items():
-            tenant_limits = limits[name]
-            requests = self._bucket(self.requests, name, tenant_limits.requests_per_minute, now)
-            tokens = self._bucket(self.tokens, name, tenant_limits.tokens_per_minute, now)
-            if requests is not None:
-                requests.level = max(requests.level - taken_requests, 0.0)
-            if tokens is not None:
-                tokens.level = max(tokens.level - taken_tokens, 0.0)
-            flights = self.in_flight.setdefault(name, {})
-            flights[replica] = (in_flight, now)
-            # A replica silent for a few rounds is gone (stopped or dead): its requests in flight no longer count.
-            others = sum(n for r, (n, at) in flights.items() if r != replica and now - at < STALE_REPORT_S)
-            answer[name] = (requests.level if requests else None, tokens.level if tokens else None, others)
-        return answer
-
-    @staticmethod
-    def _bucket(buckets: dict[str, Bucket], name: str, per_minute: int | None, now: float) -> Bucket | None:
-        if per_minute is None:
-            buckets.pop(name, None)
-            return None
-        bucket = buckets.get(name)
-        if bucket is None or bucket.per_minute != per_minute:
-            bucket = buckets[name] = _resized(bucket, per_minute)
-        bucket.refill(now)
-        return bucket
-
-
 def rate_limit_headers(state: TenantState) -> dict[str, str]:
     headers = {}
     for kind, bucket in (("requests", state.requests), ("tokens", state.tokens)):
@@ -241,14 +196,7 @@ def current_lease() -> Lease | None:
     return _LEASE.get()
 
 
-@dataclass
-class _Shared:
-    limiter: TenantLimiter = field(default_factory=TenantLimiter)
-    replica: str = ""
-    sync_task: asyncio.Task | None = None
-
-
-_shared = _Shared()
+_limiter = TenantLimiter()  # one per ingress process, as the key guard
 
 
 class TenantLimitsMiddleware:
@@ -267,9 +215,11 @@ class TenantLimitsMiddleware:
         if tenant is None or not tenant.limits.any:  # unknown keys get their 401 from the handler
             await self.app(scope, receive, send)
             return
-        _ensure_sync()
+        from deployments.tenant_ledger import ensure_sync  # it imports this module
+
+        ensure_sync(_limiter)
         try:
-            lease = _shared.limiter.admit(tenant)
+            lease = _limiter.admit(tenant)
         except OpenAIError as exc:
             response = exc.response()
             await send({"type": "http.response.start", "status": response.status_code,
@@ -291,42 +241,3 @@ class TenantLimitsMiddleware:
         finally:
             _LEASE.reset(token)
             lease.release()
-
-
-def _ensure_sync() -> None:
-    """Inside a Serve replica, starts reporting to the app's ledger once; elsewhere limits stay local."""
-    if _shared.sync_task is not None and not _shared.sync_task.done():
-        return
-    try:
-        from ray import serve
-
-        context = serve.get_replica_context()
-    except Exception:  # not inside Serve
-        return
-    _shared.replica = context.replica_id.unique_id
-    _shared.sync_task = asyncio.get_running_loop().create_task(
-        _sync_forever(f"{LEDGER_NAME}-{context.app_name}", SYNC_INTERVAL_S))
-
-
-async def _sync_forever(name: str, interval_s: float) -> None:
-    import ray
-
-    ledger = None
-    while True:
-        await asyncio.sleep(interval_s)
-        states = _shared.limiter.states
-        if not states:
-            continue
-        try:
-            if ledger is None:
-                # Owned by the replica that made it: it goes with the app; if that replica goes first, the
-                # next report makes a new one (buckets start full again).
-                ledger = ray.remote(TenantLedger).options(name=name, get_if_exists=True, num_cpus=0).remote()
-            limits = {name: s.limits for name, s in states.items()}
-            usage = _shared.limiter.usage_report()
-            answer = await ledger.report.remote(_shared.replica, limits, usage)
-            _shared.limiter.apply(answer)
-        except Exception as exc:  # the ledger restarts on the next round; limits stay local meanwhile
-            log.warning("tenant limits: the ledger did not answer (%r); limits are this replica's own until it does",
-                        exc)
-            ledger = None

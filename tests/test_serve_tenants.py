@@ -112,7 +112,7 @@ def ledger_level(tenant: str, timeout_s: float = 10.0) -> float:
     import ray
 
     from deployments.local import APP_NAME
-    from deployments.tenant_limits import LEDGER_NAME
+    from deployments.tenant_ledger import LEDGER_NAME
 
     deadline = time.monotonic() + timeout_s
     while True:

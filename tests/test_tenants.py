@@ -10,7 +10,8 @@ from starlette.requests import Request
 
 from deployments.auth import KeyGuard, SecurityArgs
 from deployments.errors import OpenAIError
-from deployments.tenant_limits import TenantLedger, TenantLimiter
+from deployments.tenant_ledger import TenantLedger
+from deployments.tenant_limits import TenantLimiter
 from deployments.tenants import ANONYMOUS_TENANT, Tenant, TenantLimits
 
 TENANTS = """
