@@ -19,6 +19,7 @@ from deployments.tenants import TenantLimits
 log = logging.getLogger(__name__)
 
 LEDGER_NAME = "tokenline-tenant-ledger"
+LEDGER_NAMESPACE = "serve"  # named, not the job's: every ingress replica of the app finds the same one
 SYNC_INTERVAL_S = 1.0
 STALE_REPORT_S = 5 * SYNC_INTERVAL_S
 
@@ -100,7 +101,8 @@ async def _sync_forever(limiter: TenantLimiter, name: str, interval_s: float) ->
             if ledger is None:
                 # Owned by the replica that made it: it goes with the app; if that replica goes first, the
                 # next report makes a new one (buckets start full again).
-                ledger = ray.remote(TenantLedger).options(name=name, get_if_exists=True, num_cpus=0).remote()
+                ledger = ray.remote(TenantLedger).options(name=name, namespace=LEDGER_NAMESPACE, get_if_exists=True,
+                                                          num_cpus=0).remote()
             limits = {name: s.limits for name, s in states.items()}
             usage = limiter.usage_report()
             answer = await ledger.report.remote(_shared.replica, limits, usage)
