@@ -53,6 +53,15 @@ serve: install model
 	$(BIN)/python -m deployments.run --http-port $(HTTP_PORT) --dashboard-port $(DASHBOARD_PORT) \
 		--metrics-port $(METRICS_PORT) $(SERVE_CONFIG)
 
+# Structured output: xgrammar against llguidance (installs xgrammar), and output tok/s with and without a schema.
+.PHONY: bench-grammar bench-structured
+bench-grammar: install model
+	$(BIN)/pip install -q -e '.[bench-grammar]'
+	$(BIN)/python -m benchmarks.bench_grammar --model $(MODEL) --out results/bench_grammar.json
+
+bench-structured: install model
+	$(BIN)/python -m benchmarks.bench_structured --model $(MODEL) --out results/bench_structured.json $(BENCH_ARGS)
+
 bench-serve: install model
 	$(BIN)/python -m benchmarks.bench_serve --model $(MODEL) --out results/bench_serve.json $(BENCH_ARGS)
 
@@ -71,11 +80,21 @@ bench-router: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m benchmarks.bench_router --model $(MODEL) --out results/bench_router.json \
 		$(BENCH_ARGS)
 
-# Autoscaling policies on the Mooncake trace, simulated: Serve's default policy against queue + KV (README: Autoscaling).
-.PHONY: bench-autoscale step-profile
+# Autoscaling policies, simulated on each half of the Mooncake trace and on synthetic steps, bursts and a daily
+# cycle: the SLO policy and queue + KV against Serve's default at its best target (README: Autoscaling; ~10 min).
+.PHONY: bench-autoscale step-profile fit-forecast validate-autoscale
 TRACE ?= loadtests/traces/mooncake_synthetic_trace.jsonl
 bench-autoscale: install
 	$(BIN)/python -m benchmarks.bench_autoscale --trace $(TRACE) --out results/bench_autoscale.json $(BENCH_ARGS)
+
+# Refits the SLO policy's forecaster on synthetic training workloads that bench-autoscale never evaluates on.
+fit-forecast: install
+	$(BIN)/python -m benchmarks.fit_forecast --out results/fit_forecast.json
+
+# A real 10-minute run of the app under the SLO policy (1 to 2 engine replicas) against the simulator's prediction
+# of it: goodput, replicas over time, TTFT p90. About 12 minutes of the whole machine; not part of make test.
+validate-autoscale: install model
+	$(BIN)/python -m benchmarks.validate_autoscale --model $(MODEL) --out results/validate_autoscale.json
 
 # Re-measures the engine's step times and refits the simulator's replica profile (about 4 minutes; a quiet machine).
 step-profile: install model

@@ -173,28 +173,50 @@ def signals_from_context(ctx: Any) -> DeploymentSignals:
         values = {name: by_replica[replica_id] for name, by_replica in metrics.items() if replica_id in by_replica}
         replicas.append(replica_signals(values))
     now = ctx.current_time if ctx.current_time is not None else time.time()
+    config = ctx.config
     return DeploymentSignals(current_replicas=ctx.current_num_replicas, target_replicas=ctx.target_num_replicas,
                              min_replicas=ctx.capacity_adjusted_min_replicas,
                              max_replicas=ctx.capacity_adjusted_max_replicas,
-                             total_ongoing=float(ctx.total_num_requests or 0.0), replicas=tuple(replicas), now=now)
+                             total_ongoing=float(ctx.total_num_requests or 0.0), replicas=tuple(replicas), now=now,
+                             upscale_delay_s=config.upscale_delay_s, look_back_period_s=config.look_back_period_s,
+                             metrics_interval_s=config.metrics_interval_s)
 
 
-class QueueKVPolicy:
-    """Ray Serve's custom autoscaling policy hook: Serve builds it once with `policy_kwargs` (the QueueKVConfig
-    fields) and calls it every control-loop tick with an AutoscalingContext; it returns (replicas, policy_state).
-    Its own state lives in `policy_state`, so a rebuilt policy carries on where the last one stopped."""
+class ServePolicy:
+    """Ray Serve's custom autoscaling policy hook: Serve builds it once with `policy_kwargs` (the fields of the
+    policy's config) and calls it every control-loop tick with an AutoscalingContext; it returns (replicas,
+    policy_state). Its own state lives in `policy_state` under `state_key`, so a rebuilt policy carries on where
+    the last one stopped. A policy is its config type, its pure decision function and its state key."""
+
+    config_type: type
+    state_key: str
 
     def __init__(self, **policy_kwargs: Any) -> None:
-        self.config = QueueKVConfig(**policy_kwargs)
+        self.config = self.config_type(**policy_kwargs)
+        self._last_logged: tuple[int, int] | None = None  # (target, decision): logged once, not every tick
+
+    @staticmethod
+    def decide(signals: DeploymentSignals, config: Any, state: dict[str, Any]) -> Decision:
+        raise NotImplementedError
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         signals = signals_from_context(ctx)
-        previous = dict(ctx.policy_state.get(STATE_KEY) or {})
-        decision = queue_kv_decision(signals, self.config, previous)
-        if decision.num_replicas != signals.target_replicas:
+        previous = dict(ctx.policy_state.get(self.state_key) or {})
+        decision = self.decide(signals, self.config, previous)
+        wish = (signals.target_replicas, decision.num_replicas)
+        if decision.num_replicas != signals.target_replicas and wish != self._last_logged:
             log.info("%s: %d -> %d replicas: %s", ctx.deployment_name, signals.target_replicas,
                      decision.num_replicas, decision.reason)
-        return decision.num_replicas, {STATE_KEY: decision.state}
+        self._last_logged = wish
+        return decision.num_replicas, {self.state_key: decision.state}
 
     def __repr__(self) -> str:
-        return f"QueueKVPolicy({asdict(self.config)})"
+        return f"{type(self).__name__}({asdict(self.config)})"
+
+
+class QueueKVPolicy(ServePolicy):
+    """`"policy_function": "autoscaling.policy:QueueKVPolicy"`, `policy_kwargs`: the QueueKVConfig fields."""
+
+    config_type = QueueKVConfig
+    state_key = STATE_KEY
+    decide = staticmethod(queue_kv_decision)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from autoscaling.signals import ReplicaSignals
+from autoscaling.capacity import StepStats
+from autoscaling.replica_load import ReplicaLoad
+from autoscaling.signals import ReplicaSignals, replica_signals
 from autoscaling.step_model import EngineShape, StepTimeModel
 from autoscaling.workload import RequestSpec
 
@@ -46,12 +48,16 @@ class SimRequest:
 @dataclass
 class ScheduledStep:
     batch: list[tuple[SimRequest, int]] = field(default_factory=list)
-    seconds: float = 0.0
+    stats: StepStats | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.stats.duration_s if self.stats else 0.0
 
 
 class SimReplica:
     def __init__(self, replica_id: int, engine: EngineShape, step_model: StepTimeModel, started_at: float,
-                 ready_at: float, prefix_cache: bool = True) -> None:
+                 ready_at: float, prefix_cache: bool = True, load: ReplicaLoad | None = None) -> None:
         self.replica_id = replica_id
         self.engine = engine
         self.step_model = step_model
@@ -66,6 +72,7 @@ class SimReplica:
         self.preemption_times: deque[float] = deque()
         self.prefix_cache = prefix_cache
         self._cache: OrderedDict[int, None] = OrderedDict()
+        self.load = load  # the capacity and offered load it reports, as the engine replica does
 
     @property
     def num_ongoing(self) -> int:
@@ -79,14 +86,20 @@ class SimReplica:
         spec = request.spec
         return self._blocks(spec.prompt_tokens + spec.output_tokens) <= self.engine.num_kv_blocks
 
-    def add(self, request: SimRequest) -> None:
+    def add(self, request: SimRequest, now: float) -> None:
         self.waiting.append(request)
+        if self.load is not None:
+            spec = request.spec
+            self.load.arrived(now, spec.prompt_tokens, spec.max_tokens if spec.max_tokens is not None else 1 << 30)
 
     def signals(self, now: float) -> ReplicaSignals:
         while self.preemption_times and self.preemption_times[0] < now - PREEMPTION_WINDOW_S:
             self.preemption_times.popleft()
-        return ReplicaSignals(kv_usage=self.kv_usage, num_waiting=len(self.waiting), num_running=len(self.running),
-                              preemptions_per_s=len(self.preemption_times) / PREEMPTION_WINDOW_S)
+        metrics = {"kv_usage": self.kv_usage, "num_waiting": len(self.waiting), "num_running": len(self.running),
+                   "preemptions_per_s": len(self.preemption_times) / PREEMPTION_WINDOW_S}
+        if self.load is not None:
+            metrics.update(self.load.metrics(now))
+        return replica_signals(metrics)
 
     def start_step(self, now: float) -> ScheduledStep | None:
         """Schedules the next step (None when there is nothing to run); its tokens land at now + step.seconds."""
@@ -123,13 +136,15 @@ class SimReplica:
             budget -= num_new
         if not step.batch:
             return None
-        step.seconds = self._seconds(step)
+        step.stats = self._stats(step, now)
         self.step = step
         return step
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """Applies the running step's tokens at `now`; returns the requests that finished."""
         step, self.step = self.step, None
+        if step is not None and self.load is not None:
+            self.load.steps.add(step.stats)
         finished = []
         for request, num_new in step.batch if step else []:
             request.computed += num_new
@@ -146,6 +161,8 @@ class SimReplica:
                 self.free_blocks += request.blocks
                 request.blocks = 0
                 finished.append(request)
+                if self.load is not None:
+                    self.load.finished(request.spec.prompt_tokens, request.cached_tokens, request.output_done)
         return finished
 
     def kill(self, now: float) -> list[SimRequest]:
@@ -157,7 +174,7 @@ class SimReplica:
         self.state, self.stopped_at = "stopped", now
         return lost
 
-    def _seconds(self, step: ScheduledStep) -> float:
+    def _stats(self, step: ScheduledStep, now: float) -> StepStats:
         prefill = decodes = context = 0
         attention = 0.0
         for request, num_new in step.batch:
@@ -167,7 +184,8 @@ class SimReplica:
             else:
                 prefill += num_new
                 attention += num_new * (request.computed + num_new / 2) / 1e6
-        return self.step_model.seconds(prefill, decodes, context, attention)
+        seconds = self.step_model.seconds(prefill, decodes, context, attention)
+        return StepStats(now, seconds, prefill, decodes, context, attention)
 
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.engine.block_size)

@@ -2,7 +2,9 @@
 
 Latencies follow AIPerf's definitions, as loadtests/ reports them: time to first token from arrival, inter-token
 latency per request (last token - first token) / (output tokens - 1). A request is good when it finished and
-met every SLO; goodput is good requests per second of the run.
+met every SLO; goodput is good requests per second of the run, and attainment the share of requests that were
+good. A window (`start_s`, `end_s`) counts only the requests that arrived in it and the replica-seconds spent in
+it: a run may start earlier, so that every policy meets the window's load already settled.
 """
 from __future__ import annotations
 
@@ -11,13 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from autoscaling.capacity import SLO
 from autoscaling.simulator import SimResult
 
 
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float = 2.0
-    itl_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,7 @@ class Summary:
     itl_p99_s: float
     good_requests: int
     goodput_rps: float
+    attainment: float  # good requests / requests
     replica_seconds: float
     mean_replicas: float
     max_replicas: int
@@ -45,22 +45,37 @@ class Summary:
         return asdict(self)
 
 
-def summarize(result: SimResult, slo: SLO) -> Summary:
-    done = [r for r in result.requests if r.finish_s is not None]
+def summarize(result: SimResult, slo: SLO, start_s: float = 0.0, end_s: float | None = None) -> Summary:
+    end_s = result.duration_s if end_s is None else end_s
+    requests = [r for r in result.requests if start_s <= r.spec.arrival_s < end_s]
+    done = [r for r in requests if r.finish_s is not None]
     ttft = np.array([r.first_token_s - r.spec.arrival_s for r in done])
     itl = np.array([(r.last_token_s - r.first_token_s) / (r.output_done - 1) for r in done if r.output_done > 1])
     good = sum(1 for r in done if r.first_token_s - r.spec.arrival_s <= slo.ttft_s
                and (r.output_done <= 1 or (r.last_token_s - r.first_token_s) / (r.output_done - 1) <= slo.itl_s))
-    duration = max(result.duration_s, 1e-9)
+    whole = start_s <= 0 and end_s >= result.duration_s
+    replica_seconds = result.replica_seconds if whole else replica_seconds_between(result, start_s, end_s)
+    points = [p for p in result.timeline if start_s <= p.t <= end_s]
+    duration = max(end_s - start_s, 1e-9)
     return Summary(
-        policy=result.policy, requests=len(result.requests), finished=len(done),
-        failed=len(result.requests) - len(done), duration_s=result.duration_s,
-        output_tok_s=sum(r.output_done for r in done) / duration,
+        policy=result.policy, requests=len(requests), finished=len(done), failed=len(requests) - len(done),
+        duration_s=duration, output_tok_s=sum(r.output_done for r in done) / duration,
         ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90), ttft_p99_s=_pct(ttft, 99),
         itl_p50_s=_pct(itl, 50), itl_p90_s=_pct(itl, 90), itl_p99_s=_pct(itl, 99),
-        good_requests=good, goodput_rps=good / duration, replica_seconds=result.replica_seconds,
-        mean_replicas=result.replica_seconds / duration, max_replicas=result.max_replicas_seen,
-        preemptions=sum(r.preemptions for r in result.requests))
+        good_requests=good, goodput_rps=good / duration, attainment=good / max(len(requests), 1),
+        replica_seconds=replica_seconds, mean_replicas=replica_seconds / duration,
+        max_replicas=max((p.running + p.starting + p.draining for p in points), default=result.max_replicas_seen),
+        preemptions=sum(r.preemptions for r in requests))
+
+
+def replica_seconds_between(result: SimResult, start_s: float, end_s: float) -> float:
+    """Replicas alive (starting, running or draining) integrated over [start_s, end_s], from the timeline."""
+    total = 0.0
+    for point, following in zip(result.timeline, result.timeline[1:]):
+        left, right = max(point.t, start_s), min(following.t, end_s)
+        if right > left:
+            total += (right - left) * (point.running + point.starting + point.draining)
+    return total
 
 
 def _pct(values: np.ndarray, q: float) -> float:

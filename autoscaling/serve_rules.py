@@ -24,6 +24,7 @@ class ServeAutoscalingConfig:
     max_replicas: int = 1
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    downscale_to_zero_delay_s: float | None = None  # 1 -> 0 waits this long (None: downscale_delay_s)
     upscaling_factor: float = 1.0
     downscaling_factor: float = 1.0
     look_back_period_s: float = 30.0
@@ -71,16 +72,29 @@ def apply_delays(desired: int, target: int, config: ServeAutoscalingConfig, stat
             since = None
         direction = -1
         since = now if since is None else since
-        if now - since + 1e-6 >= config.downscale_delay_s:
+        to_zero = target == 1 and config.downscale_to_zero_delay_s is not None
+        delay = config.downscale_to_zero_delay_s if to_zero else config.downscale_delay_s
+        if now - since + 1e-6 >= delay:
             decision, direction, since = max(1, desired) if target > 1 else desired, 0, None
     else:
         direction, since = 0, None
     return decision, {**state, "direction": direction, "since": since}
 
 
+def cold_start_replicas(signals: DeploymentSignals, config: ServeAutoscalingConfig) -> int | None:
+    """`_get_cold_start_scale_up_replicas`: at zero replicas with requests waiting, Serve asks for one at once,
+    without asking the policy."""
+    if signals.current_replicas == 0 and signals.total_ongoing > 0:
+        return max(math.ceil(config.upscaling_factor), signals.target_replicas)
+    return None
+
+
 def apply_serve(desired: float, signals: DeploymentSignals, config: ServeAutoscalingConfig,
                 state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """What Serve makes of a policy's answer: scaling factors, then delays, then the min/max bounds."""
+    cold = cold_start_replicas(signals, config)
+    if cold is not None:
+        return min(max(cold, config.min_replicas), config.max_replicas), state
     scaled = apply_scaling_factors(desired, signals.current_replicas, config)
     if signals.current_replicas == 0 and scaled > 0:  # Serve skips the delay when scaling from zero
         return min(max(scaled, config.min_replicas), config.max_replicas), state

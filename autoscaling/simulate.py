@@ -3,8 +3,9 @@
     python -m autoscaling.simulate --trace loadtests/traces/mooncake_synthetic_trace.jsonl --time-scale 0.5 \
         --policies queue_kv ongoing_requests:2 ongoing_requests:16 --max-replicas 6 --out results/simulate.json
 
-A policy is `queue_kv` (thresholds as `queue_kv:waiting_high=4,kv_high=0.9`) or `ongoing_requests:TARGET`
-(Serve's default policy with that target_ongoing_requests). Every policy sees the same requests, replicas and
+A policy is `slo` (knobs as `slo:headroom=0.1,percentile=0.9`), `queue_kv` (thresholds as
+`queue_kv:waiting_high=4,kv_high=0.9`) or `ongoing_requests:TARGET` (Serve's default policy with that
+target_ongoing_requests). Every policy sees the same requests, replicas and
 seed. Without --trace the workload is synthetic (--num-requests, --rate, --input-mean, ...).
 """
 from __future__ import annotations
@@ -16,36 +17,45 @@ import logging
 from pathlib import Path
 
 from autoscaling.policy import QueueKVConfig
-from autoscaling.report import SLO, plot, summarize, table
+from autoscaling.capacity import SLO
+from autoscaling.report import plot, summarize, table
 from autoscaling.serve_rules import ServeAutoscalingConfig
-from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, Policy, QueueKVSimPolicy, simulate
+from autoscaling.simulator import (ClusterConfig, OngoingRequestsPolicy, Policy, QueueKVSimPolicy, SLOSimPolicy,
+                                  simulate)
+from autoscaling.slo_policy import SLOConfig
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import RequestSpec, SyntheticWorkload, TraceWorkload
 
 log = logging.getLogger("autoscaling.simulate")
 
 
-def parse_policy(text: str) -> Policy:
-    """`queue_kv[:k=v,...]` or `ongoing_requests:TARGET`; the name shown is the text itself."""
+def parse_policy(text: str, slo: SLO | None = None) -> Policy:
+    """`slo[:k=v,...]`, `queue_kv[:k=v,...]` or `ongoing_requests:TARGET`; the name shown is the text itself.
+    An `slo` policy holds `slo` unless its own knobs say otherwise."""
     kind, _, params = text.partition(":")
-    if kind == "queue_kv":
-        values = {}
+    if kind in ("slo", "queue_kv"):
+        config_type = SLOConfig if kind == "slo" else QueueKVConfig
+        types = {f.name: f.type for f in dataclasses.fields(config_type)}
+        values: dict = {}
         for item in filter(None, params.split(",")):
             key, _, value = item.partition("=")
-            field_type = {f.name: f.type for f in dataclasses.fields(QueueKVConfig)}.get(key)
-            if field_type is None:
-                raise ValueError(f"queue_kv has no threshold {key!r}; it has {sorted(QueueKVConfig.__annotations__)}")
-            values[key] = int(value) if field_type == "int" else float(value)
+            if key not in types:
+                raise ValueError(f"{kind} has no knob {key!r}; it has {sorted(types)}")
+            values[key] = (None if value == "none" else value if types[key] == "str"
+                           else int(value) if types[key] == "int" else float(value))
+        if kind == "slo":
+            objectives = dataclasses.asdict(slo) if slo else {}
+            return SLOSimPolicy(SLOConfig(**{**objectives, **values}), name=text)
         return QueueKVSimPolicy(QueueKVConfig(**values), name=text)
     if kind == "ongoing_requests":
         return OngoingRequestsPolicy(float(params or 2.0), name=text)
-    raise ValueError(f"unknown policy {text!r}: use queue_kv[:k=v,...] or ongoing_requests:TARGET")
+    raise ValueError(f"unknown policy {text!r}: use slo[:k=v,...], queue_kv[:k=v,...] or ongoing_requests:TARGET")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE), help="replica profile JSON (step_profile.py)")
     parser.add_argument("--num-kv-blocks", type=int, help="override the profile's KV pool (blocks per replica)")
-    parser.add_argument("--policies", nargs="+", default=["queue_kv", "ongoing_requests:2"])
+    parser.add_argument("--policies", nargs="+", default=["slo", "queue_kv", "ongoing_requests:2"])
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", help="a Mooncake trace (JSONL); without it the workload is synthetic")
     workload.add_argument("--block-size", type=int, default=8, help="prompt tokens per trace hash id")
@@ -64,17 +74,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = parser.add_argument_group("Serve")
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--max-replicas", type=int, default=4)
-    serve.add_argument("--initial-replicas", type=int, default=None, help="default: min replicas")
+    serve.add_argument("--initial-replicas", type=int, default=None, help="default: min replicas, at least 1")
     serve.add_argument("--upscale-delay-s", type=float, default=10.0)
     serve.add_argument("--downscale-delay-s", type=float, default=60.0)
+    serve.add_argument("--downscale-to-zero-delay-s", type=float, default=None)
     serve.add_argument("--look-back-period-s", type=float, default=10.0)
     serve.add_argument("--metrics-interval-s", type=float, default=1.0)
     serve.add_argument("--startup-s", type=float, default=15.0, help="replica asked for -> serving")
     serve.add_argument("--graceful-shutdown-timeout-s", type=float, default=60.0)
     serve.add_argument("--control-interval-s", type=float, default=0.5)
     parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--slo-ttft-s", type=float, default=2.0)
-    parser.add_argument("--slo-itl-s", type=float, default=0.2)
+    parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
+    parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
+    parser.add_argument("--slo-percentile", type=float, default=SLO.percentile,
+                        help="the share of requests an slo policy holds the objectives for")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -99,9 +112,11 @@ def profile_from(args: argparse.Namespace) -> ReplicaProfile:
 def cluster_from(args: argparse.Namespace) -> ClusterConfig:
     serve = ServeAutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                    upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
+                                   downscale_to_zero_delay_s=args.downscale_to_zero_delay_s,
                                    look_back_period_s=args.look_back_period_s,
                                    metrics_interval_s=args.metrics_interval_s)
-    return ClusterConfig(serve=serve, initial_replicas=args.initial_replicas or args.min_replicas,
+    initial = args.initial_replicas if args.initial_replicas is not None else max(args.min_replicas, 1)
+    return ClusterConfig(serve=serve, initial_replicas=initial,
                          startup_s=args.startup_s, graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
                          control_interval_s=args.control_interval_s, prefix_cache=not args.no_prefix_cache,
                          seed=args.seed)
@@ -116,10 +131,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     requests, workload = workload_from(args)
     profile, cluster = profile_from(args), cluster_from(args)
-    slo = SLO(args.slo_ttft_s, args.slo_itl_s)
+    slo = SLO(args.slo_ttft_s, args.slo_itl_s, args.slo_percentile)
     results = []
     for text in args.policies:
-        results.append(simulate(requests, profile, parse_policy(text), cluster))
+        results.append(simulate(requests, profile, parse_policy(text, slo), cluster))
         log.info("simulated %s", text)
     summaries = [summarize(r, slo) for r in results]
     print(table(summaries))

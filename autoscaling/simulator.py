@@ -22,10 +22,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from autoscaling.capacity import SLO
 from autoscaling.policy import QueueKVConfig, queue_kv_decision
 from autoscaling.replica import SimReplica, SimRequest
-from autoscaling.serve_rules import ServeAutoscalingConfig, apply_serve, ongoing_requests_decision
+from autoscaling.replica_load import ReplicaLoad
+from autoscaling.serve_rules import (ServeAutoscalingConfig, apply_serve, cold_start_replicas,
+                                     ongoing_requests_decision)
 from autoscaling.signals import DeploymentSignals, ReplicaSignals
+from autoscaling.slo_policy import SLOConfig, slo_decision
 from autoscaling.step_model import ReplicaProfile
 from autoscaling.workload import RequestSpec
 
@@ -58,6 +62,23 @@ class QueueKVSimPolicy:
 
     def __call__(self, signals: DeploymentSignals, state: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         decision = queue_kv_decision(signals, self.config, state)
+        return decision.num_replicas, decision.state
+
+
+@dataclass(frozen=True)
+class SLOSimPolicy:
+    """autoscaling.slo_policy's SLO policy, the same function Serve calls through SLOPolicy."""
+
+    config: SLOConfig = field(default_factory=SLOConfig)
+    name: str = "slo"
+
+    @property
+    def slo(self) -> SLO:
+        """What replicas report their capacity against (they solve it only for a policy that has one)."""
+        return self.config.slo
+
+    def __call__(self, signals: DeploymentSignals, state: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        decision = slo_decision(signals, self.config, state)
         return decision.num_replicas, decision.state
 
 
@@ -178,6 +199,10 @@ class Simulation:
 
     def _on_arrival(self, now: float, request: SimRequest) -> None:
         self.handle_queue.append(request)
+        if not self._live("running"):
+            # Serve's handle pushes its queue to the controller at once when there is no replica to take it.
+            self.handle_metrics.samples.append((now, self._ongoing()))
+            self.handle_metrics.pushed_until = now
         self._route(now)
 
     def _on_ready(self, now: float, replica: SimReplica) -> None:
@@ -206,8 +231,7 @@ class Simulation:
             metrics.samples.append((now, replica.signals(now)))
             if now >= metrics.next_push:
                 metrics.pushed_until, metrics.next_push = now, now + self.serve.metrics_interval_s
-        ongoing = len(self.handle_queue) + sum(r.num_ongoing for r in self.replicas if r.state != "stopped")
-        self.handle_metrics.samples.append((now, ongoing))
+        self.handle_metrics.samples.append((now, self._ongoing()))
         if now >= self.handle_metrics.next_push:
             self.handle_metrics.pushed_until = now
             self.handle_metrics.next_push = now + self.serve.metrics_interval_s
@@ -215,7 +239,10 @@ class Simulation:
 
     def _on_tick(self, now: float, _: Any) -> None:
         signals = self._signals(now)
-        desired, self.user_state = self.policy(signals, self.user_state)
+        if cold_start_replicas(signals, self.serve) is not None:
+            desired = float(signals.target_replicas)  # Serve's fast path answers without asking the policy
+        else:
+            desired, self.user_state = self.policy(signals, self.user_state)
         target, self.serve_state = apply_serve(desired, signals, self.serve, self.serve_state)
         if target != self.target:
             self._scale(now, target)
@@ -238,7 +265,12 @@ class Simulation:
         return DeploymentSignals(current_replicas=len(running), target_replicas=self.target,
                                  min_replicas=self.serve.min_replicas, max_replicas=self.serve.max_replicas,
                                  total_ongoing=sum(ongoing) / len(ongoing) if ongoing else 0.0,
-                                 replicas=tuple(replicas), now=now)
+                                 replicas=tuple(replicas), now=now, upscale_delay_s=self.serve.upscale_delay_s,
+                                 look_back_period_s=self.serve.look_back_period_s,
+                                 metrics_interval_s=self.serve.metrics_interval_s)
+
+    def _ongoing(self) -> int:
+        return len(self.handle_queue) + sum(r.num_ongoing for r in self.replicas if r.state != "stopped")
 
     def _scale(self, now: float, target: int) -> None:
         self.target = target
@@ -253,7 +285,8 @@ class Simulation:
 
     def _start_replica(self, now: float, ready: bool = False) -> None:
         replica = SimReplica(next(self._replica_ids), self.profile.engine, self.profile.step_model, now,
-                             now if ready else now + self.cluster.startup_s, self.cluster.prefix_cache)
+                             now if ready else now + self.cluster.startup_s, self.cluster.prefix_cache,
+                             ReplicaLoad(self.profile, slo) if (slo := getattr(self.policy, "slo", None)) else None)
         self.replicas.append(replica)
         if ready:
             self._on_ready(now, replica)
@@ -285,7 +318,7 @@ class Simulation:
                 request.failed = "too_long"
                 self._done += 1
                 continue
-            replica.add(request)
+            replica.add(request, now)
             self._maybe_step(replica, now)
 
     def _maybe_step(self, replica: SimReplica, now: float) -> None:
@@ -305,11 +338,18 @@ class Simulation:
 
 
 def _mean_signals(samples: list[ReplicaSignals]) -> ReplicaSignals:
+    """Serve averages each metric over the look-back window on its own."""
     n = len(samples)
+    capacities = [s.capacity_tokens_per_s for s in samples if s.capacity_tokens_per_s is not None]
+    alone = [s.capacity_alone_tokens_per_s for s in samples if s.capacity_alone_tokens_per_s is not None]
     return ReplicaSignals(kv_usage=sum(s.kv_usage for s in samples) / n,
                           num_waiting=sum(s.num_waiting for s in samples) / n,
                           num_running=sum(s.num_running for s in samples) / n,
-                          preemptions_per_s=sum(s.preemptions_per_s for s in samples) / n)
+                          preemptions_per_s=sum(s.preemptions_per_s for s in samples) / n,
+                          capacity_tokens_per_s=sum(capacities) / len(capacities) if capacities else None,
+                          capacity_alone_tokens_per_s=sum(alone) / len(alone) if alone else None,
+                          demand_tokens_per_s=sum(s.demand_tokens_per_s for s in samples) / n,
+                          arrivals_per_s=sum(s.arrivals_per_s for s in samples) / n)
 
 
 def simulate(requests: list[RequestSpec], profile: ReplicaProfile, policy: Policy,

@@ -6,6 +6,7 @@ real benchmark run of the same settings see the same requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +25,7 @@ class RequestSpec:
     output_tokens: int
     prefix_ids: tuple[int, ...] = ()  # one id per `tokens_per_prefix_id` prompt tokens; equal ids, equal tokens
     tokens_per_prefix_id: int = 0
+    max_tokens: int | None = None  # what the client asked for, if it said (None: no cap below the engine's)
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,66 @@ class TraceWorkload:
                                      scaled_input_length(row, self.block_size, cfg.trace_block_size), max(1, out),
                                      row.hash_ids, self.block_size))
         return specs
+
+
+@dataclass(frozen=True)
+class ShapedWorkload:
+    """Poisson arrivals whose rate follows a shape over `duration_s`, in multiples of `rate`; lognormal lengths.
+
+    steps: six levels held for a sixth of the run each, drawn from [0.3, 2] by the seed; bursts: 0.6 with bursts
+    of 2.5 lasting 30 to 90 s, about one every 3 minutes; daily: one day folded into the run, from 0.2 at night
+    to 1.8 at noon, with slow noise. The seed draws the shape's details as well as the requests, so workloads of
+    one shape and different seeds are different workloads.
+    """
+
+    shape: Literal["steps", "bursts", "daily"]
+    duration_s: float = 1200.0
+    rate: float = 1.5
+    input_mean: int = 240
+    input_cv: float = 1.0
+    output_mean: int = 150
+    output_cv: float = 1.0
+    max_input: int = 1500
+    max_output: int = 900
+    seed: int = 0
+
+    def rate_at(self, t: float) -> float:
+        s = self._shape
+        if self.shape == "steps":
+            return self.rate * float(s["levels"][min(5, int(6 * t / self.duration_s))])
+        if self.shape == "bursts":
+            inside = any(b <= t < b + n for b, n in zip(s["starts"], s["lengths"]))
+            return self.rate * (2.5 if inside else 0.6)
+        day = 1.0 - 0.8 * np.cos(2 * np.pi * t / self.duration_s)
+        noise = 0.1 * sum(np.sin(2 * np.pi * (k + 3) * t / self.duration_s + p) for k, p in enumerate(s["phases"]))
+        return self.rate * float(max(0.1, day + noise))
+
+    def requests(self) -> list[RequestSpec]:
+        rng = np.random.default_rng(self.seed)
+        peak = max(self.rate_at(t) for t in np.arange(0, self.duration_s, 1.0))
+        specs, t = [], 0.0
+        while True:  # thinning: candidates at the peak rate, each kept with probability rate(t) / peak
+            t += rng.exponential(1.0 / peak)
+            if t >= self.duration_s:
+                return specs
+            if rng.random() * peak <= self.rate_at(t):
+                specs.append(RequestSpec(t, _lognormal(rng, self.input_mean, self.input_cv, self.max_input),
+                                         _lognormal(rng, self.output_mean, self.output_cv, self.max_output)))
+
+    @cached_property
+    def _shape(self) -> dict[str, np.ndarray]:
+        """The shape's details, drawn once from the seed (apart from the requests' own draws)."""
+        rng = np.random.default_rng(self.seed + 7919)
+        if self.shape == "steps":
+            return {"levels": rng.uniform(0.3, 2.0, size=6)}
+        if self.shape == "bursts":
+            starts = np.cumsum(rng.exponential(180.0, size=int(self.duration_s / 60) + 2))
+            return {"starts": starts, "lengths": rng.uniform(30.0, 90.0, size=len(starts))}
+        if self.shape == "daily":
+            return {"phases": rng.uniform(0, 2 * np.pi, size=3)}
+        raise ValueError(f"unknown workload shape {self.shape!r}: use steps, bursts or daily")
+
+
+def _lognormal(rng: np.random.Generator, mean: float, cv: float, cap: int) -> int:
+    sigma = np.sqrt(np.log(1 + cv * cv))
+    return int(min(cap, max(1, round(rng.lognormal(np.log(mean) - sigma * sigma / 2, sigma)))))

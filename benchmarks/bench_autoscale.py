@@ -1,15 +1,25 @@
-"""Autoscaling policies on the Mooncake trace, simulated: goodput under SLOs against replica-seconds.
+"""Autoscaling policies, simulated on workloads none of them was fitted to: replica-seconds at equal goodput.
 
-The whole trace (about 4,000 requests over 17 minutes) at 8 tokens per hash id, on its own clock, against
-simulated engine replicas timed by the recorded profile (SmolLM2-135M, one CPU each, serve_config.yaml's KV pool),
-with AppArgs' default Serve delays, at most `--max-replicas` replicas for every policy. Serve's default policy
-runs at several `target_ongoing_requests` (2 is Serve's own default), which traces the goodput it buys for each
-replica-second; the queue + KV policy runs with its defaults, and with tighter waiting marks (1.5 / 0.5) to
-show what more goodput costs. Each policy runs with `--seeds` routing seeds and is reported as their mean.
+Workloads: each half of the Mooncake trace (8 tokens per hash id, on its own clock), and three synthetic ones
+(autoscaling.workload.ShapedWorkload, seed 0): steps, bursts and a daily cycle. The SLO policy's fitted default
+(its forecaster's time constants) came from other seeds of the synthetic shapes (benchmarks/fit_forecast.py);
+the queue + KV policy's waiting marks from the trace's first half. Each run starts `WARMUP_S` before the window it
+is judged on (the second half's run starts in the first half; the first half's run and the synthetic ones start
+with the workload and are judged from `WARMUP_S` on), so every policy meets the window with its own count.
 
-The headline compares at equal goodput: the replica-seconds Serve's policy needs for the goodput ours reached,
-read off its curve (the cheapest target that reaches it, interpolated between neighbours), against ours; and at
-equal replica-seconds, the goodput its curve gives for ours.
+Policies, on replicas of the recorded profile, with AppArgs' Serve delays and at most `--max-replicas` each:
+the SLO policy (autoscaling.slo_policy, its defaults, the SLO below), the queue + KV policy (its defaults), and
+Serve's default policy at several `target_ongoing_requests`, which traces the goodput it buys per replica-second:
+"Serve's default at its best target" is read off that curve. Each runs with `--seeds` routing seeds; the tables
+show their means. Per workload:
+
+- at equal goodput: the replica-seconds Serve's curve needs for the goodput a policy reached (the cheapest target
+  that reaches it, interpolated from the next cheaper one), against the policy's own;
+- at equal replica-seconds: the goodput Serve's curve reaches with as many, against the policy's;
+- SLO attainment: the share of the window's requests that met both objectives.
+
+`--levers` also runs the SLO policy without each of its parts, and every policy with a 30 s downscale delay, to
+show what each part gives. Writes JSON, the curves (PNG) and the replica counts over time (PNG).
 
     python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
 """
@@ -19,23 +29,74 @@ import argparse
 import dataclasses
 import json
 import logging
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from autoscaling.policy import QueueKVConfig
-from autoscaling.report import SLO, Summary, plot, summarize, table
+from autoscaling.capacity import SLO
+from autoscaling.report import Summary, summarize, table
 from autoscaling.serve_rules import DEFAULT_TARGET_ONGOING_REQUESTS, ServeAutoscalingConfig
-from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, SimResult, simulate
+from autoscaling.simulate import parse_policy
+from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
-from autoscaling.workload import TraceWorkload
+from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload
 from deployments.autoscaling_config import AutoscalingArgs
 from loadtests.datasets import MOONCAKE_TRACE
+from loadtests.plot import pyplot, save_figure
 
 log = logging.getLogger("bench_autoscale")
 
 TARGETS = (2, 4, 6, 8, 12, 16, 24, 32)
-TIGHT = QueueKVConfig(waiting_high=1.5, waiting_low=0.5)
+WARMUP_S = 120.0
+SHAPES = ("steps", "bursts", "daily")
+OURS = ("slo", "queue_kv")
+# Each part of the SLO policy taken away in turn (--levers).
+LEVERS = {"slo:headroom=0": "no headroom", "slo:level_time_s=1": "no smoothing (the load as last measured)"}
+SHORT_DOWNSCALE_S = 30.0
+TARGET_SAVING = 0.25
+TARGET_ATTAINMENT = 0.95
+
+
+@dataclass(frozen=True)
+class Case:
+    """A workload, and the window of its run that is judged."""
+
+    name: str
+    requests: list[RequestSpec]
+    start_s: float
+    end_s: float
+
+
+def cases(trace: Path, block_size: int) -> list[Case]:
+    rows = TraceWorkload(str(trace), block_size).requests()
+    middle = rows[-1].arrival_s / 2
+    shift = middle - WARMUP_S
+    second = [dataclasses.replace(r, arrival_s=r.arrival_s - shift) for r in rows if r.arrival_s >= shift]
+    out = [Case("mooncake first half", [r for r in rows if r.arrival_s < middle], WARMUP_S, middle),
+           Case("mooncake second half", second, WARMUP_S, rows[-1].arrival_s - shift)]
+    for shape in SHAPES:
+        workload = ShapedWorkload(shape, seed=0)
+        out.append(Case(f"synthetic {shape}", workload.requests(), WARMUP_S, workload.duration_s))
+    return out
+
+
+@dataclass(frozen=True)
+class Job:
+    case: int
+    policy: str
+    seed: int
+    downscale_delay_s: float
+
+
+def run_job(job: Job, case: Case, profile: ReplicaProfile, cluster: ClusterConfig,
+            slo: SLO) -> tuple[Job, Summary, SimResult | None]:
+    serve = dataclasses.replace(cluster.serve, downscale_delay_s=job.downscale_delay_s)
+    cluster = dataclasses.replace(cluster, serve=serve, seed=job.seed)
+    result = simulate(case.requests, profile, parse_policy(job.policy, slo), cluster)
+    summary = summarize(result, slo, case.start_s, case.end_s)
+    return job, summary, result if job.seed == 0 else None
 
 
 def mean_summary(runs: list[Summary]) -> Summary:
@@ -70,22 +131,40 @@ def goodput_at(replica_seconds: float, curve: list[Summary]) -> float:
     return float(np.interp(replica_seconds, xs, ys))
 
 
+def compare(ours: Summary, curve: list[Summary]) -> dict:
+    """Where a policy stands against Serve's curve."""
+    needed = replica_seconds_for(ours.goodput_rps, curve)
+    met = [s for s in curve if s.attainment >= TARGET_ATTAINMENT]
+    best = min(met, key=lambda s: s.replica_seconds) if met else max(curve, key=lambda s: s.goodput_rps)
+    saving = None if needed is None else 1 - ours.replica_seconds / needed
+    return {"policy": ours.policy, "attainment": ours.attainment, "goodput_rps": ours.goodput_rps,
+            "replica_seconds": ours.replica_seconds,
+            "serve_replica_seconds_at_equal_goodput": needed, "replica_seconds_saving": saving,
+            "serve_goodput_at_equal_replica_seconds": goodput_at(ours.replica_seconds, curve),
+            "goodput_gain": ours.goodput_rps / goodput_at(ours.replica_seconds, curve) - 1,
+            "serve_best_target": best.policy, "serve_best_attainment": best.attainment,
+            "serve_best_replica_seconds": best.replica_seconds,
+            "target_met": saving is not None and saving >= TARGET_SAVING and ours.attainment >= TARGET_ATTAINMENT}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--block-size", type=int, default=8, help="prompt tokens per trace hash id")
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--max-replicas", type=int, default=8)
+    parser.add_argument("--max-replicas", type=int, default=12)
     parser.add_argument("--startup-s", type=float, default=15.0, help="replica asked for -> serving")
-    parser.add_argument("--slo-ttft-s", type=float, default=2.0)
-    parser.add_argument("--slo-itl-s", type=float, default=0.2)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
+    parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
+    parser.add_argument("--slo-percentile", type=float, default=SLO.percentile)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
+    parser.add_argument("--levers", action="store_true", help="also run the SLO policy without each of its parts, "
+                                                              "and every policy with a 30 s downscale delay")
     parser.add_argument("--out", default="results/bench_autoscale.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    requests = TraceWorkload(str(args.trace), args.block_size, args.time_scale).requests()
     profile = ReplicaProfile.load(args.profile)
     defaults = AutoscalingArgs()
     serve = ServeAutoscalingConfig(min_replicas=1, max_replicas=args.max_replicas,
@@ -93,93 +172,114 @@ def main() -> None:
                                    downscale_delay_s=defaults.downscale_delay_s,
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
-    slo = SLO(args.slo_ttft_s, args.slo_itl_s)
-    policies = [QueueKVSimPolicy(QueueKVConfig(), name="queue_kv"),
-                QueueKVSimPolicy(TIGHT, name="queue_kv:waiting_high=1.5")] + [
-        OngoingRequestsPolicy(float(t), name=f"ongoing_requests:{t}") for t in TARGETS]
+    slo = SLO(args.slo_ttft_s, args.slo_itl_s, args.slo_percentile)
+    workloads = cases(args.trace, args.block_size)
+    curve_names = [f"ongoing_requests:{t}" for t in TARGETS]
+    delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
+    jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays
+            for p in list(OURS) + curve_names + (list(LEVERS) if args.levers and d == delays[0] else [])
+            for seed in range(args.seeds)]
+    runs: dict[tuple[int, str, float], list[Summary]] = {}
+    shown: dict[tuple[int, str, float], SimResult] = {}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        cluster = ClusterConfig(serve=serve, startup_s=args.startup_s)
+        futures = [pool.submit(run_job, job, workloads[job.case], profile, cluster, slo) for job in jobs]
+        for future in futures:
+            job, summary, result = future.result()
+            key = (job.case, job.policy, job.downscale_delay_s)
+            runs.setdefault(key, []).append(summary)
+            if result is not None:
+                shown[key] = result
+            log.info("%s, %s, seed %d, downscale %gs: attainment %.3f, %.0f replica-s", workloads[job.case].name,
+                     job.policy, job.seed, job.downscale_delay_s, summary.attainment, summary.replica_seconds)
 
-    summaries: list[Summary] = []
-    shown: dict[str, SimResult] = {}
-    for policy in policies:
-        runs = []
-        for seed in range(args.seeds):
-            cluster = ClusterConfig(serve=serve, startup_s=args.startup_s, seed=seed)
-            result = simulate(requests, profile, policy, cluster)
-            runs.append(summarize(result, slo))
-            if seed == 0:
-                shown[policy.name] = result
-        summaries.append(mean_summary(runs))
-        log.info("%s: %.3f good/s, %.0f replica-s", policy.name, summaries[-1].goodput_rps,
-                 summaries[-1].replica_seconds)
-
-    ours, tight, curve = summaries[0], summaries[1], summaries[2:]
-    serve_default = next(s for s in curve if s.policy == f"ongoing_requests:{DEFAULT_TARGET_ONGOING_REQUESTS:g}")
-    needed = replica_seconds_for(ours.goodput_rps, curve)
-    saving = None if needed is None else 1 - ours.replica_seconds / needed
-    gain = ours.goodput_rps / goodput_at(ours.replica_seconds, curve) - 1
-    print(f"\n{len(requests)} requests over {requests[-1].arrival_s:.0f} s, {profile.name}, "
-          f"at most {args.max_replicas} replicas, SLO TTFT <= {slo.ttft_s:g} s and ITL <= {slo.itl_s * 1000:g} ms, "
-          f"mean of {args.seeds} seeds")
-    print(table(summaries))
-    print(f"\nqueue_kv against Serve's default policy (target {DEFAULT_TARGET_ONGOING_REQUESTS:g}): "
-          f"{ours.goodput_rps / serve_default.goodput_rps:.1%} of its goodput with "
-          f"{1 - ours.replica_seconds / serve_default.replica_seconds:.1%} fewer replica-seconds")
-    if saving is not None:
-        print(f"at equal goodput ({ours.goodput_rps:.3f}/s) Serve's policy needs {needed:.0f} replica-seconds: "
-              f"queue_kv uses {saving:.1%} fewer")
-    print(f"at equal replica-seconds ({ours.replica_seconds:.0f}) Serve's policy reaches "
-          f"{goodput_at(ours.replica_seconds, curve):.3f} good/s: queue_kv gets {gain:.1%} more")
-    met = (saving is not None and saving >= 0.2) or gain >= 0.2
-    print(f"target (>= 20% fewer replica-seconds at equal goodput, or >= 20% more goodput at equal "
-          f"replica-seconds): {'met' if met else 'not met'}")
-    tight_needed = replica_seconds_for(tight.goodput_rps, curve)
-    tight_saving = None if tight_needed is None else 1 - tight.replica_seconds / tight_needed
-    if tight_saving is not None:
-        print(f"{tight.policy}: {tight.goodput_rps / serve_default.goodput_rps:.1%} of the default policy's goodput; "
-              f"at equal goodput {tight_saving:.1%} fewer replica-seconds than Serve's policy")
+    report = []
+    for c, case in enumerate(workloads):
+        for delay in delays:
+            means = {p: mean_summary(runs[(c, p, delay)]) for p in {k[1] for k in runs if k[0] == c and k[2] == delay}}
+            curve = [means[p] for p in curve_names]
+            ours = [p for p in list(OURS) + list(LEVERS) if p in means]
+            comparisons = {p: compare(means[p], curve) for p in ours}
+            report.append({"workload": case.name, "downscale_delay_s": delay, "requests": len(case.requests),
+                           "window_s": [case.start_s, case.end_s],
+                           "results": [means[p].as_dict() for p in ours + curve_names],
+                           "comparisons": comparisons})
+            _print_case(case, delay, [means[p] for p in ours + curve_names], comparisons)
+    met = all(r["comparisons"]["slo"]["target_met"] for r in report if r["downscale_delay_s"] == delays[0])
+    print(f"\ntarget (each workload: >= {TARGET_SAVING:.0%} fewer replica-seconds than Serve's default at equal "
+          f"goodput, >= {TARGET_ATTAINMENT:.0%} attainment): {'met' if met else 'not met'}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "trace": str(args.trace), "block_size": args.block_size, "time_scale": args.time_scale,
-        "requests": len(requests), "profile": profile.name, "serve": dataclasses.asdict(serve),
-        "startup_s": args.startup_s, "slo": dataclasses.asdict(slo), "seeds": args.seeds,
-        "queue_kv": dataclasses.asdict(QueueKVConfig()), "results": [s.as_dict() for s in summaries],
-        "comparison": {"replica_seconds_saving_at_equal_goodput": saving, "goodput_gain_at_equal_replica_seconds": gain,
-                       "serve_default_replica_seconds_saving": 1 - ours.replica_seconds / serve_default.replica_seconds,
-                       "serve_default_goodput_ratio": ours.goodput_rps / serve_default.goodput_rps,
-                       "target_met": met, "tight_replica_seconds_saving_at_equal_goodput": tight_saving}},
-        indent=2) + "\n")
-    nearest = min(curve, key=lambda s: abs(s.goodput_rps - ours.goodput_rps))
-    picked = [shown["queue_kv"], shown[serve_default.policy]] + (
-        [shown[nearest.policy]] if nearest is not serve_default else [])
-    plot(picked, slo, out.with_suffix(".png"), title=f"Mooncake trace ({len(requests)} requests), seed 0")
-    _plot_curve([ours, tight], curve, out.with_name(out.stem + "_curve.png"))
-    print(f"wrote {out}, {out.with_suffix('.png')} and {out.with_name(out.stem + '_curve.png')}")
+        "trace": str(args.trace), "block_size": args.block_size, "profile": profile.name,
+        "serve": dataclasses.asdict(serve), "startup_s": args.startup_s, "slo": dataclasses.asdict(slo),
+        "seeds": args.seeds, "warmup_s": WARMUP_S, "levers": LEVERS if args.levers else {}, "cases": report,
+        "target_met": met}, indent=2) + "\n")
+    _plot_curves(report, delays[0], out.with_suffix(".png"))
+    timelines = out.with_name(out.stem + "_timelines.png")
+    _plot_timelines(workloads, shown, report, delays[0], slo, timelines)
+    print(f"wrote {out}, {out.with_suffix('.png')} and {timelines}")
 
 
-def _plot_curve(ours: list[Summary], curve: list[Summary], path: Path) -> None:
-    import matplotlib
+def _print_case(case: Case, delay: float, summaries: list[Summary], comparisons: dict) -> None:
+    print(f"\n{case.name}: {len(case.requests)} requests, judged over [{case.start_s:.0f}, {case.end_s:.0f}] s, "
+          f"downscale delay {delay:g} s")
+    print(table(summaries))
+    for name, c in comparisons.items():
+        saving = "n/a (Serve's curve never reaches it)" if c["replica_seconds_saving"] is None else \
+            f"{c['replica_seconds_saving']:.1%} fewer replica-seconds"
+        print(f"  {name}: attainment {c['attainment']:.1%}; at equal goodput {saving}; at equal replica-seconds "
+              f"{c['goodput_gain']:+.1%} goodput; Serve's cheapest target at >= {TARGET_ATTAINMENT:.0%}: "
+              f"{c['serve_best_target']} ({c['serve_best_attainment']:.1%}, {c['serve_best_replica_seconds']:.0f} "
+              f"replica-s)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    points = sorted(curve, key=lambda s: s.replica_seconds)
-    ax.plot([p.replica_seconds for p in points], [p.goodput_rps for p in points], "o-",
-            label="Serve's default policy (target_ongoing_requests)")
-    for p in points:
-        ax.annotate(p.policy.split(":")[1], (p.replica_seconds, p.goodput_rps), fontsize=7,
-                    textcoords="offset points", xytext=(3, 3))
-    for summary, marker in zip(ours, ("r*", "m^")):
-        ax.plot([summary.replica_seconds], [summary.goodput_rps], marker, markersize=12, label=summary.policy)
-    ax.set_xlabel("replica-seconds (cost)")
-    ax.set_ylabel("goodput (good requests/s)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+def _plot_curves(report: list[dict], delay: float, path: Path) -> None:
+    """Goodput against replica-seconds, one panel per workload: Serve's curve and each policy's point."""
+    plt = pyplot()
+    cases_shown = [r for r in report if r["downscale_delay_s"] == delay]
+    fig, axes = plt.subplots(1, len(cases_shown), figsize=(4.2 * len(cases_shown), 4))
+    for ax, case in zip(np.atleast_1d(axes), cases_shown):
+        rows = {r["policy"]: r for r in case["results"]}
+        curve = sorted((r for p, r in rows.items() if p.startswith("ongoing_requests")),
+                       key=lambda r: r["replica_seconds"])
+        ax.plot([r["replica_seconds"] for r in curve], [r["goodput_rps"] for r in curve], "o-", color="tab:blue",
+                label="Serve's default (target)")
+        for r in curve:
+            ax.annotate(r["policy"].split(":")[1], (r["replica_seconds"], r["goodput_rps"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+        for name, marker in (("slo", "r*"), ("queue_kv", "g^")):
+            ax.plot([rows[name]["replica_seconds"]], [rows[name]["goodput_rps"]], marker, markersize=12,
+                    label=f"{name} ({rows[name]['attainment']:.1%})")
+        ax.set_title(case["workload"], fontsize=9)
+        ax.set_xlabel("replica-seconds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    np.atleast_1d(axes)[0].set_ylabel("goodput (good requests/s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def _plot_timelines(workloads: list[Case], shown: dict, report: list[dict], delay: float, slo: SLO,
+                    path: Path) -> None:
+    """Replicas over time (seed 0) per workload: the SLO policy, queue + KV, and Serve at its best target."""
+    plt = pyplot()
+    fig, axes = plt.subplots(len(workloads), 1, figsize=(11, 2.4 * len(workloads)))
+    for c, (ax, case) in enumerate(zip(np.atleast_1d(axes), workloads)):
+        best = next(r for r in report if r["workload"] == case.name and r["downscale_delay_s"] == delay)
+        best_target = best["comparisons"]["slo"]["serve_best_target"]
+        for name, color in (("slo", "tab:red"), ("queue_kv", "tab:green"), (best_target, "tab:blue")):
+            result = shown[(c, name, delay)]
+            ax.step([p.t for p in result.timeline], [p.running + p.starting + p.draining for p in result.timeline],
+                    where="post", color=color, lw=1, label=name)
+        ax.axvspan(case.start_s, case.end_s, color="grey", alpha=0.08)
+        ax.set_ylabel("replicas")
+        ax.set_title(case.name, fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper right")
+    np.atleast_1d(axes)[-1].set_xlabel("time (s); shaded: the window judged")
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

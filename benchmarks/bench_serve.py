@@ -1,7 +1,8 @@
 """The cost of the Ray path: the served app over HTTP against the in-process AsyncEngine, on the same prompts.
 
-Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs
-with one engine replica holding both CPUs. Prints a table and writes JSON.
+Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs in
+each of `--variants`: by default make serve's layout (two engine replicas of one CPU and one thread each) and one
+engine replica holding both CPUs. Prints a table, the CPU each process spent per output token, and writes JSON.
 
 `--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
 them on, then off, then again, each on the same prompts; the summary compares the mean throughput of each.
@@ -311,8 +312,10 @@ def main() -> None:
                                                            "and the step trace on, off, or both in turn")
     parser.add_argument("--repeats", type=int, default=1, help="how many times to serve each configuration, "
                                                                "alternating them")
-    parser.add_argument("--variants", nargs="+", default=["default"],
-                        help="serve configurations to compare, each NAME[:KEY=VALUE...]: an upper-case KEY is an "
+    parser.add_argument("--variants", nargs="+",
+                        default=["2x1:num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1", "1x2"],
+                        help="serve configurations to compare (default: make serve's two engine replicas of one CPU, "
+                             "and one replica of --num-cpus), each NAME[:KEY=VALUE...]: an upper-case KEY is an "
                              "environment variable of the app's processes, a lower-case one an AppArgs field, "
                              "dotted for nested ones (num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1)")
     parser.add_argument("--skip-engine", action="store_true")

@@ -40,8 +40,7 @@ def build_app(args: AppArgs) -> Application:
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=None if autoscaling else args.num_engine_replicas, autoscaling_config=autoscaling,
         max_ongoing_requests=args.engine_max_ongoing_requests,
-        ray_actor_options=actor_options, health_check_period_s=5,
-        graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
+        ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=args.limits.drain_s,
         max_queued_requests=args.limits.engine_max_queued_requests,
         request_router_config=request_router_config(args),
     ).bind(args)
@@ -51,7 +50,7 @@ def build_app(args: AppArgs) -> Application:
                             "target_ongoing_requests": args.ingress_target_ongoing_requests},
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
-        graceful_shutdown_timeout_s=args.limits.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=args.limits.drain_s,
         # Past it the proxy answers 503 itself (plain text, with Retry-After); below it the ingress refuses first.
         max_queued_requests=args.limits.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(retry_after_s=args.limits.retry_after_s),

@@ -3,8 +3,9 @@
 Keys come from the environment (`TOKENLINE_API_KEYS`, comma-separated; `TOKENLINE_ADMIN_KEY`) or from files
 named in `AppArgs.security` (one key a line, `#` comments), never from the args themselves: the args are shown
 by Serve's dashboard and logs. A file is read again when it changes, so keys rotate without a redeploy (write
-a new file and rename it over the old one); a file with no keys adds none, a file that cannot be read refuses
-every key until it can. Neither keys nor prompts and outputs are ever logged.
+a new file and rename it over the old one). A configured file that holds no key, or cannot be read, closes what
+it guards (no key matches) until it holds keys again: fail closed, also mid-rotation. Neither keys nor prompts
+and outputs are ever logged.
 Only SHA-256 digests of the keys are kept, and a presented key is compared with every one in constant time.
 
 The rule for admin endpoints:
@@ -74,13 +75,19 @@ class _KeySource:
             st = self.path.stat()
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp != self._stamp:
-                self._file_keys = _parse_keys(self.path.read_text(), None)
+                keys = _parse_keys(self.path.read_text(), None)
                 self._stamp = stamp
-                log.info("read %d key(s) from %s", len(self._file_keys), self.path)
-        except OSError as exc:
+                if keys:
+                    self._file_keys = keys
+                    log.info("read %d key(s) from %s", len(keys), self.path)
+                else:  # emptied, or caught mid-rewrite: a configured file never opens the server
+                    self._file_keys = _NOBODY
+                    log.error("key file %s holds no key: every key is refused until it does", self.path)
+        except (OSError, UnicodeDecodeError) as exc:
             # A key file that cannot be read must not open the server: no key matches until it is back.
             if self._file_keys is not _NOBODY:
-                log.error("key file %s cannot be read (%s): its keys are refused", self.path, exc.strerror)
+                log.error("key file %s cannot be read (%s): every key is refused", self.path,
+                          getattr(exc, "strerror", None) or type(exc).__name__)
             self._stamp, self._file_keys = None, _NOBODY
         return self._file_keys
 

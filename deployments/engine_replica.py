@@ -3,6 +3,13 @@
 A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
 request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
 the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages.
+
+Admission: a request is refused at once (503, Retry-After = this replica's backlog: the wait before it could
+start) when, behind what the replica holds, it would finish past ADMIT_WAIT_FRACTION of the time left before its
+deadline, and alone it would not (waiting cannot help a request that is longer than its deadline: it runs, and
+the deadline cuts it). While the engine cannot estimate yet, the count bound (`engine.max_num_waiting`) alone
+decides. A request that fails inside the engine
+gets a RequestRejected saying how; if the engine itself dies, this process exits so Serve replaces it at once.
 """
 from __future__ import annotations
 
@@ -10,33 +17,51 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import ray
 
+from deployments.autoscaling_config import replica_load
 from deployments.block_digest import replica_digest_bits, with_block_digest
 from deployments.config import AppArgs
 from deployments.context import log_through_serve, replica_id
 from deployments.engine_metrics import EngineMetrics
-from deployments.records import (EngineRequest, EngineTimeline, GenerationChunk, ModelInfo, ProfileResult,
-                                 ReplicaStats, ReplicaSteps, RequestRejected)
+from deployments.limits import ADMIT_WAIT_FRACTION
+from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ModelInfo,
+                                 ProfileResult, ReplicaStats, ReplicaSteps, RequestRejected)
 from engine import AsyncEngine, EngineOutput, InvalidRequestError
+from engine.failures import FailureKind, RequestFailure
 from engine.outputs import SchedulerStats
 from engine.profiler import StepProfiler, write_chrome_trace
 
 log = logging.getLogger(__name__)
 
 PREEMPTION_WINDOW_S = 10.0  # record_autoscaling_stats reports preemptions per second over this window
+EXIT_GRACE_S = 0.5  # a dying replica lets its streams carry the error out before the process exits
+FAILURE_STATUS = {FailureKind.INVALID_REQUEST: 400, FailureKind.DEADLINE_PASSED: 408, FailureKind.STEP_FAILED: 500}
+
+
+class ChoiceFailed(Exception):
+    """One choice of a request ended with a RequestFailure inside the engine."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class EngineReplica:
     async def __init__(self, args: AppArgs) -> None:
+        started = time.perf_counter()
         log_through_serve()
         config = args.engine_config()
-        self.engine = AsyncEngine(config)
+        self.engine = AsyncEngine(config, on_death=self._exit_on_engine_death)
         self.replica_id = replica_id()
+        self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
         core = self.engine.engine
         self.metrics = EngineMetrics(args.model_name(), self.replica_id, core.max_model_len)
@@ -47,43 +72,82 @@ class EngineReplica:
         self.timelines = args.timeline.enabled
         self.profiler_dir = Path(args.profiler_dir).expanduser() if args.profiler_dir else None
         self.profiler = StepProfiler(config.device)
-        log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads",
-                 self.replica_id, config.model, config.device, core.runner.attention_backend, core.cuda_graphs,
-                 config.num_threads)
+        self.load = replica_load(args.autoscaling)  # the capacity and offered load the SLO policy reads
+        self._cold_start = ColdStart(self.replica_id, psutil.Process().create_time(), time.time(),
+                                     time.perf_counter() - started, core.startup)
+        log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads; "
+                 "cold start %s", self.replica_id, config.model, config.device, core.runner.attention_backend,
+                 core.cuda_graphs, config.num_threads, self._cold_start)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
         entered = time.monotonic()
-        try:
-            self.engine.engine.validate(request.prompt_token_ids, request.sampling)
-        except InvalidRequestError as exc:
-            yield RequestRejected(str(exc), exc.param)
+        prompts = request.prompts
+        num_choices = request.n * len(prompts)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            yield refusal
             return
-        if not self.engine.has_room(request.n):
-            limit = self.engine.engine.config.max_num_waiting
-            yield RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
-                                  f"engine.max_num_waiting); retry shortly", retry_after_s=1.0)
-            return
-        self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+        for prompt in prompts:
+            self.metrics.record_arrival(request.n, request.sampling.max_tokens)
+            if self.load is not None:
+                for _ in range(request.n):
+                    self.load.arrived(time.time(), len(prompt), request.sampling.max_tokens)
         self._num_active_streams += 1
         try:
-            choices = [self._choice(request, i, entered) for i in range(request.n)]
-            batches = _one_by_one(choices[0]) if request.n == 1 else _merged(choices)
+            choices = [self._choice(request, prompt, i * request.n + j, j, entered)
+                       for i, prompt in enumerate(prompts) for j in range(request.n)]
+            batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
             async for batch in batches:
                 yield batch
                 if self.stream_interval_s:
                     await asyncio.sleep(self.stream_interval_s)
+        except ChoiceFailed as exc:
+            failure = exc.failure
+            yield RequestRejected(failure.message, failure.param, failure.code, FAILURE_STATUS[failure.kind])
         finally:
             self._num_active_streams -= 1
 
-    async def _choice(self, request: EngineRequest, index: int, entered: float) -> AsyncIterator[GenerationChunk]:
-        params = request.sampling
-        if index and params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + index)  # n seeded samples must differ
+    def _refusal(self, request: EngineRequest) -> RequestRejected | None:
+        """Why this replica will not take the request, if it will not: its input, a full queue, or no time."""
+        prompts = request.prompts
+        num_choices = request.n * len(prompts)
+        try:
+            for prompt in prompts:
+                self.engine.validate(prompt, request.sampling, request.n)
+        except InvalidRequestError as exc:
+            return RequestRejected(str(exc), exc.param, exc.code)
+        if not self.engine.has_room(num_choices):
+            limit = self.engine.engine.config.max_num_waiting
+            return RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
+                                   f"engine.max_num_waiting); retry shortly", code="server_overloaded", status=503,
+                                   retry_after_s=self.retry_after_s)
+        if request.deadline is None:
+            return None
+        backlog_s = self.engine.predicted_wait_s()
+        estimate = self.engine.predicted_finish_s(max(map(len, prompts)), request.sampling, num_choices)
+        if backlog_s is None or estimate is None:
+            return None  # no estimate yet: the count bound above decides alone
+        finish_s, alone_s = estimate
+        limit_s = ADMIT_WAIT_FRACTION * (request.deadline - time.time())
+        if finish_s <= limit_s or alone_s > limit_s:
+            return None
+        return RequestRejected(f"this engine replica is {backlog_s:.1f}s behind: this request would finish in about "
+                               f"{finish_s:.0f}s, past {ADMIT_WAIT_FRACTION:.0%} of the time left before its deadline; "
+                               f"retry later", code="server_overloaded", status=503,
+                               retry_after_s=max(backlog_s, self.retry_after_s))
+
+    async def _choice(self, request: EngineRequest, prompt: list[int], index: int, sample: int,
+                      entered: float) -> AsyncIterator[GenerationChunk]:
+        """Choice `index` of the request: its prompt's `sample`-th sample (n seeded samples must differ)."""
+        params = request.sampling.for_choice(sample)
         last_token_time: float | None = None
         first_chunk_s: float | None = None
-        async for out in self.engine.generate(request.prompt_token_ids, params, f"{request.request_id}-{index}",
-                                              request.arrival_time or None):
+        async for out in self.engine.generate(prompt, params, f"{request.request_id}-{index}",
+                                              request.arrival_time or None, request.deadline):
+            if out.failure is not None:
+                self.metrics.record_finished("error", out.num_prompt_tokens, out.num_output_tokens, out.timings)
+                raise ChoiceFailed(out.failure)
             now = time.time()
             if out.new_token_ids:
                 if last_token_time is None:
@@ -94,6 +158,8 @@ class EngineReplica:
             if out.finished:
                 self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
                                              out.num_output_tokens, out.timings)
+                if self.load is not None:
+                    self.load.finished(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
             timeline = None
             if self.timelines:
                 offset = time.monotonic() - entered
@@ -103,7 +169,7 @@ class EngineReplica:
             yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
                                   finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                                   num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
-                                  logprobs=out.logprobs, timeline=timeline)
+                                  logprobs=out.logprobs, timeline=timeline, prompt_logprobs=out.prompt_logprobs)
 
     def _engine_timeline(self, out: EngineOutput, entered: float, first_chunk_s: float,
                          end_s: float) -> EngineTimeline | None:
@@ -140,13 +206,14 @@ class EngineReplica:
         log.info("profile written to %s", path)
         return ProfileResult(self.replica_id, running=False, changed=True, path=str(path))
 
+    async def cold_start(self) -> ColdStart:
+        return self._cold_start
+
     async def model_info(self) -> ModelInfo:
         core = self.engine.engine
-        stats = core.stats()
-        return ModelInfo(max_model_len=core.max_model_len, vocab_size=core.model_args.vocab_size,
-                         eos_token_ids=tuple(core.eos_token_ids), num_kv_blocks=stats.num_kv_blocks,
-                         block_size=stats.block_size, attention_backend=core.runner.attention_backend,
-                         device=core.config.device, cuda_graphs=core.cuda_graphs)
+        return ModelInfo(limits=core.limits, eos_token_ids=tuple(core.eos_token_ids),
+                         attention_backend=core.runner.attention_backend, device=core.config.device,
+                         cuda_graphs=core.cuda_graphs)
 
     async def stats(self) -> ReplicaStats:
         return self._stats()
@@ -158,7 +225,7 @@ class EngineReplica:
                             num_used_kv_blocks=s.num_kv_blocks - s.num_free_kv_blocks,
                             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                             num_preemptions=s.num_preemptions, num_finished_requests=s.num_finished_requests,
-                            num_active_streams=self._num_active_streams)
+                            num_active_streams=self._num_active_streams, backlog_s=self.engine.predicted_wait_s())
 
     def record_routing_stats(self) -> dict[str, float | str | bytes]:
         """Ray Serve's request-router hook, every routing-stats period: load, and a digest of the prefix cache."""
@@ -172,14 +239,33 @@ class EngineReplica:
         """Ray Serve's custom-autoscaling hook: read by autoscaling.policy as `ctx.aggregated_metrics` (each key
         averaged over the look-back window, per replica). Numbers only, as Serve requires."""
         s = self.engine.stats()
-        since = time.time() - PREEMPTION_WINDOW_S
-        preempted = sum(step.num_preempted for step in _snapshot(self.engine.engine.step_history) if step.time >= since)
-        return {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
-                "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
+        now = time.time()
+        steps = _snapshot(self.engine.engine.step_history)
+        preempted = sum(step.num_preempted for step in steps if step.time >= now - PREEMPTION_WINDOW_S)
+        stats = {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
+                 "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
+        if self.load is not None:
+            self.load.add_steps(steps)
+            stats.update(self.load.metrics(now))
+        return stats
 
     def check_health(self) -> None:
         if not self.engine.is_healthy:
             raise RuntimeError(f"engine step loop is down: {self.engine.error!r}")
+
+    def _exit_on_engine_death(self, error: BaseException) -> None:
+        """Called on the step thread when the engine's state is unknown: a replica that stayed up would keep being
+        routed to (Serve's health check takes three failed periods to act), and its requests would all fail."""
+        log.critical("engine replica %s exits in %.1fs: its engine died (%s)", self.replica_id, EXIT_GRACE_S,
+                     type(error).__name__)
+
+        def exit_now() -> None:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+        threading.Timer(EXIT_GRACE_S, exit_now).start()
 
     async def _record_stats_forever(self, interval_s: float) -> None:
         while True:

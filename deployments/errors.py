@@ -29,8 +29,10 @@ class OpenAIError(Exception):
                                                     param=param, code=code))
 
     @classmethod
-    def invalid(cls, exc: InvalidRequestError) -> "OpenAIError":
-        return cls(400, str(exc), exc.param)
+    def invalid(cls, exc: InvalidRequestError, param: str | None = None) -> "OpenAIError":
+        """A 400 with the check's own param and code; `param` renames the field where the endpoint calls it
+        otherwise."""
+        return cls(400, str(exc), param or exc.param, exc.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
@@ -67,4 +69,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return internal_error().response()
+
+
+def internal_error() -> OpenAIError:
+    """A 500 says what happened, never how: no exception text, remote traceback or path reaches the client."""
+    return OpenAIError(500, "the server failed while handling this request; it is logged on the server side",
+                       code="internal_error")

@@ -21,12 +21,28 @@ log = logging.getLogger(__name__)
 RETRY_SOON = {"Retry-After": "1"}  # a lost replica: Serve routes the retry to a live one
 
 
+class ReplicaLost(OpenAIError):
+    """The engine replica serving the request failed or went away; the request itself was fine."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the engine replica serving this request was lost; retry the request",
+                         code="engine_replica_lost", headers=RETRY_SOON)
+
+
+def rejection_error(rejected: RequestRejected) -> OpenAIError:
+    """The HTTP error for an engine replica's refusal or failure report (its status and code, unchanged)."""
+    if rejected.retry_after_s is not None:
+        return overloaded(rejected.message, rejected.retry_after_s)
+    return OpenAIError(rejected.status, rejected.message, rejected.param, rejected.code)
+
+
 @dataclass
 class ChoiceDelta:
     index: int
     text: str
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None  # set on the choice's last delta
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first delta, when asked for
 
 
 @dataclass
@@ -42,13 +58,15 @@ class ChoiceState:
 class Generation:
     """Reads the replica's stream; stops it early once every choice has met a stop string."""
 
-    def __init__(self, responses: Any, n: int, num_prompt_tokens: int,
-                 make_detokenizer: Callable[[], IncrementalDetokenizer],
+    def __init__(self, responses: Any, n: int, prompt_lengths: list[int],
+                 make_detokenizer: Callable[[int], IncrementalDetokenizer],
                  timeline: RequestTimeline | TimelineOff = TIMELINE_OFF) -> None:
+        """`n` choices for each prompt (of `prompt_lengths` tokens); choice i * n + j is prompt i's j-th."""
         self._responses = responses  # a DeploymentResponseGenerator of list[GenerationChunk] | RequestRejected
-        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self.prompt_lengths = prompt_lengths
         self.timeline = timeline
-        self.choices = [ChoiceState(make_detokenizer()) for _ in range(n)]
+        self.choices = [ChoiceState(make_detokenizer(i)) for i in range(n * len(prompt_lengths))]
         self._first: list[GenerationChunk] | None = None
 
     async def start(self) -> None:
@@ -87,10 +105,13 @@ class Generation:
                 log.debug("cancelling the engine stream: %r", exc)
 
     def usage(self) -> Usage:
+        """Each prompt counted once, however many choices it has."""
         completion = sum(c.num_output_tokens for c in self.choices)
-        cached = max((c.num_cached_tokens for c in self.choices), default=0)
-        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.num_prompt_tokens + completion,
+        prompt = sum(self.prompt_lengths)
+        n = self.n
+        cached = sum(max(c.num_cached_tokens for c in self.choices[i * n:(i + 1) * n])
+                     for i in range(len(self.prompt_lengths)))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     async def _next(self) -> list[GenerationChunk] | None:
@@ -106,13 +127,9 @@ class Generation:
             raise overloaded(f"every engine replica is busy and {exc.message}; retry shortly") from exc
         except Exception as exc:  # the replica failed or went away: the caller's input was fine
             log.warning("engine stream failed: %r", exc)
-            raise OpenAIError(503, f"the engine replica failed: {type(exc).__name__}; retry the request",
-                              headers=RETRY_SOON) from exc
-        if isinstance(message, RequestRejected) and message.retry_after_s is not None:
-            raise overloaded(message.message)
+            raise ReplicaLost() from exc
         if isinstance(message, RequestRejected):
-            code = "context_length_exceeded" if "context length" in message.message else None
-            raise OpenAIError(400, message.message, message.param, code)
+            raise rejection_error(message)
         self.timeline.chunk_read()
         return message
 
@@ -133,4 +150,6 @@ class Generation:
         elif chunk.finished:
             choice.finish_reason = chunk.finish_reason or "stop"
             text += choice.detokenizer.flush()
-        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason)
+        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason,
+                           chunk.prompt_logprobs)
+

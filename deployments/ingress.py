@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP front (FastAPI through @serve.ingress): validate, template, tokenize, stream back.
 
-The engine sees token ids only; text lives here, where each choice is detokenized incrementally.
+The engine sees token ids only; text lives here, where each choice is detokenized incrementally. Templating and
+tokenizing run on a worker thread, off the event loop that streams every other request. A request is checked
+with the engine's own limits (engine.request_limits, as its replicas report them) before it is sent. An engine
+replica that fails before the first token arrives costs the request one retry on another replica.
 """
 # No `from __future__ import annotations`: FastAPI must see real types through Serve's rewritten signatures.
 import asyncio
+import concurrent.futures
+import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -19,21 +25,24 @@ from deployments import auth, limits
 from deployments import admin, timeline_recorder
 from deployments.admin import ProfileReply
 from deployments.auth import require_admin_key, require_api_key
+from deployments.chat_template import render_chat
 from deployments.config import AppArgs
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
-from deployments.generation import Generation
+from deployments.generation import Generation, ReplicaLost
 from deployments.http_metrics import HttpMetricsMiddleware
 from deployments.limits import RequestLimitsMiddleware
-from deployments.openai_format import (TokenText, chat_response, chat_stream, completion_response,
-                                       completion_stream, json_response)
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from deployments.openai_format import (Echo, StreamUsage, TokenText, ToolParserFactory, chat_response, chat_stream,
+                                       completion_response, completion_stream, json_response)
+from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                                  SamplingFields, TokenizeRequest)
 from deployments.records import EngineRequest, ModelInfo
-from deployments.responses import ModelCard, ModelList
-from deployments.timeline import TimelineView
+from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from deployments.timeline import ROUTING_NOTES, TimelineView
+from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
 from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
-from engine.sampling_params import InvalidRequestError
+from engine.sampling_params import InvalidRequestError, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +53,29 @@ app.add_middleware(TimelineMiddleware)  # a request's timeline starts before the
 app.add_middleware(HttpMetricsMiddleware)  # added last, so outermost: it counts what the limits refuse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+HEALTH_FRESH_S = 5.0  # an engine answer this recent makes /health answer without asking again
+HEALTH_PROBE_TIMEOUT_S = 5.0
 # Serve pickles the ingress class where it is declared: whatever it uses must be defined above it.
 
 
 def _sse(events: Any) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _stream_usage(body: SamplingFields) -> StreamUsage:
+    options = body.stream_options
+    return StreamUsage(final=bool(options and options.include_usage),
+                       continuous=bool(options and options.continuous_usage_stats))
+
+
+def _tool_parser(choice: Any, parallel: bool) -> ToolParserFactory | None:
+    """How the answer's tool calls are read: a named function's arguments, or the formats tool_calls.py reads."""
+    if isinstance(choice, NamedToolChoice):
+        return lambda: NamedCallParser(choice.function.name)
+    if choice == "none":
+        return None
+    return lambda: ToolCallParser(parallel)
 
 
 @serve.ingress(app)
@@ -61,8 +87,13 @@ class OpenAIIngress:
         self.model_path = args.model_path()
         self.tokenizer = load_tokenizer(self.model_path)
         self.tokens = TokenText(self.tokenizer)
+        # One thread: a fast tokenizer shared by threads can fail ("Already borrowed") when they overlap.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # No token is longer than this many characters: a longer text cannot fit the context, untokenized.
+        self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
+        self._engine_answered_at = float("-inf")
         auth.configure(args.security)
         limits.configure(args.limits)
         self.timelines = timeline_recorder.configure(args.timeline, self.model_name)
@@ -71,36 +102,70 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:
-        try:
-            await asyncio.wait_for(self._model_info(), timeout=10)
-        except Exception as exc:
-            raise OpenAIError(503, f"no engine replica answers: {type(exc).__name__}") from exc
+        """200 while an engine replica answers: one did within HEALTH_FRESH_S, or does now."""
+        if time.monotonic() - self._engine_answered_at > HEALTH_FRESH_S:
+            try:
+                self._info = await asyncio.wait_for(self._engine.model_info.remote(), HEALTH_PROBE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("health: no engine replica answered: %r", exc)
+                raise OpenAIError(503, "no engine replica answers", code="engine_unavailable") from exc
+            self._engine_answered_at = time.monotonic()
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models(self) -> ModelList:
+        return ModelList(data=[await self._model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return await self._model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(require_api_key)])
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            ids = await self._off_loop(self._render, body.messages, body.tools, body.add_generation_prompt)
+        else:
+            ids = await self._off_loop(functools.partial(self.tokenizer.encode, body.prompt,
+                                                         add_special_tokens=body.add_special_tokens))
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.model_path, max_model_len=info.max_model_len)])
+        strs = [self.tokens(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.limits.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", dependencies=[Depends(require_api_key)])
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        info = await self._model_info()
+        info.limits.check_token_ids("tokens", body.tokens)
+        return DetokenizeResponse(prompt=await self._off_loop(self.tokenizer.decode, body.tokens))
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(self, body: CompletionRequest) -> Any:
         arrival = time.time()
         self._check_request(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids, prompt_text = self.tokenizer.encode(prompt), prompt
-        else:
-            prompt_ids, prompt_text = list(prompt), ""
-            if body.echo:
-                prompt_text = self.tokenizer.decode(prompt_ids)
-        generation, request_id = await self._start(body, "cmpl", prompt_ids, body.max_tokens, body.logprobs,
-                                                    COMPLETIONS_DEFAULT_MAX_TOKENS, arrival)
-        echo = prompt_text if body.echo else ""
+        info = await self._model_info()
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                self._check_text_fits(len(prompt), info)
+                prompts.append(await self._off_loop(self.tokenizer.encode, prompt))
+            else:
+                if body.echo:
+                    info.limits.check_token_ids("prompt", prompt)  # decoding an unknown id would fail
+                prompts.append(list(prompt))
         want_logprobs = body.logprobs is not None
+        echoes = [Echo(p if isinstance(p, str) else self.tokenizer.decode(ids), ids)
+                  for p, ids in zip(body.prompts(), prompts)] if body.echo else None
+        prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = await self._start(body, request_id, prompts, body.max_tokens, body.logprobs,
+                                       COMPLETIONS_DEFAULT_MAX_TOKENS, arrival, prompt_logprobs=prompt_logprobs)
         if body.stream:
-            return _sse(completion_stream(generation, request_id, self.model_name, echo, self.tokens, want_logprobs,
-                                          body.include_usage))
-        response = await completion_response(generation, request_id, self.model_name, echo, self.tokens,
+            return _sse(completion_stream(generation, request_id, self.model_name, echoes, body.n, self.tokens,
+                                          want_logprobs, _stream_usage(body)))
+        response = await completion_response(generation, request_id, self.model_name, echoes, body.n, self.tokens,
                                              want_logprobs)
         return json_response(response, generation)
 
@@ -108,13 +173,23 @@ class OpenAIIngress:
     async def chat(self, body: ChatCompletionRequest) -> Any:
         arrival = time.time()
         self._check_request(body)
-        prompt_ids = self._chat_prompt(body)
-        generation, request_id = await self._start(body, "chatcmpl", prompt_ids, body.requested_max_tokens(),
-                                                    body.requested_logprobs(), None, arrival)
+        self._check_text_fits(sum(len(m.text()) for m in body.messages), await self._model_info())
+        choice = body.effective_tool_choice
+        prompt_ids = await self._off_loop(self._render, body.messages, body.tools if choice != "none" else None,
+                                          body.add_generation_prompt)
+        forced = forced_tool_output(body.tools or [], choice, body.parallel_tool_calls)
+        if forced is not None and body.structured_output() is not None:
+            raise OpenAIError(400, "tool_choice required or a named function cannot be combined with "
+                                   "response_format or guided_* fields", "tool_choice")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = await self._start(body, request_id, [prompt_ids], body.requested_max_tokens(),
+                                       body.requested_logprobs(), None, arrival, structured=forced)
+        tool_parser = _tool_parser(choice, body.parallel_tool_calls)
         if body.stream:
             return _sse(chat_stream(generation, request_id, self.model_name, self.tokens, body.logprobs,
-                                    body.include_usage))
-        response = await chat_response(generation, request_id, self.model_name, self.tokens, body.logprobs)
+                                    _stream_usage(body), tool_parser))
+        response = await chat_response(generation, request_id, self.model_name, self.tokens, body.logprobs,
+                                       tool_parser)
         return json_response(response, generation)
 
     @app.get("/v1/timelines/{request_id}", dependencies=[Depends(require_admin_key)])
@@ -133,57 +208,82 @@ class OpenAIIngress:
     async def stop_profile(self) -> ProfileReply:
         return await admin.stop_profile(self._engine, self.profiler_dir)
 
-    def _check_request(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves "
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.model_name}` (see /v1/models)", "model", "model_not_found")
+
+    def _check_request(self, body: SamplingFields) -> None:
+        self._check_model(body.model)
         body.check_supported()
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    async def _model_card(self) -> ModelCard:
+        info = await self._model_info()
+        return ModelCard(id=self.model_name, root=self.model_path, max_model_len=info.limits.max_model_len)
+
+    def _render(self, messages: list, tools: list | None, add_generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
+            text = render_chat(self.tokenizer, messages, tools, add_generation_prompt)
         except Exception as exc:  # the model's template refused this conversation (role order, say)
             raise OpenAIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _start(self, body: SamplingFields, kind: str, prompt_ids: list[int], max_tokens: int | None,
-                     logprobs: int | None, default_max_tokens: int | None,
-                     arrival: float) -> tuple[Generation, str]:
-        """Validates against the model's limits, sends the request and waits for its first tokens."""
+    def _check_text_fits(self, num_chars: int, info: ModelInfo) -> None:
+        """Refuses, before tokenizing it, text that needs more tokens than the context holds."""
+        max_len = info.limits.max_model_len
+        if num_chars > max_len * self.max_chars_per_token:
+            raise OpenAIError(400, f"the prompt has {num_chars:,} characters; this model's maximum context length "
+                                   f"is {max_len} tokens, which hold at most {max_len * self.max_chars_per_token:,} "
+                                   f"characters. Shorten the prompt.", "prompt", "context_length_exceeded")
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def _start(self, body: SamplingFields, request_id: str, prompts: list[list[int]], max_tokens: int | None,
+                     logprobs: int | None, default_max_tokens: int | None, arrival: float,
+                     prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> Generation:
+        """Checks the request with the engine's limits, sends it (every prompt in one engine call) and waits for
+        its first tokens; an engine replica lost before then is retried once, elsewhere."""
         timeline = current_timeline()
         timeline.prompt_ready()
-        info = await self._model_info()
-        n = len(prompt_ids)
-        if any(not isinstance(t, int) or not 0 <= t < info.vocab_size for t in prompt_ids):
-            raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", "prompt")
-        capacity = min(info.max_model_len, info.num_kv_blocks * info.block_size)
+        bounds = (await self._model_info()).limits
         if max_tokens is None:
-            max_tokens = default_max_tokens or max(capacity - n, 1)
-        if n + max_tokens > info.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, "
-                                   f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
-                                   f"max_tokens). Shorten the prompt or lower max_tokens.",
-                              "max_tokens", "context_length_exceeded")
+            capacity = min(bounds.max_model_len, bounds.num_kv_blocks * bounds.block_size)
+            max_tokens = default_max_tokens or max(capacity - max(map(len, prompts)), 1)
         try:
-            params = body.sampling_params(max_tokens, logprobs)
-            stops = body.stop_strings()
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
+            for prompt in prompts:
+                bounds.check(prompt, params, body.n)
         except InvalidRequestError as exc:
-            raise OpenAIError.invalid(exc) from exc
-        request_id = f"{kind}-{uuid.uuid4().hex}"
-        request = EngineRequest(request_id, prompt_ids, params, body.n, arrival)
-        skip_special = body.skip_special_tokens
+            raise OpenAIError.invalid(exc, body.field_name(exc.param)) from exc
+        request = EngineRequest(request_id, prompts[0], params, body.n, arrival, limits.request_deadline(),
+                                more_prompt_token_ids=prompts[1:])
         timeline.dispatching(request_id)
-        generation = Generation(self._stream.generate.remote(request), body.n, n,
-                                lambda: IncrementalDetokenizer(self.tokenizer, stops, prompt_ids, skip_special),
+        try:
+            generation = await self._send(request, body, timeline)
+        except ReplicaLost:
+            note = ROUTING_NOTES.peek(request_id)
+            retry = dataclasses.replace(request, avoid_replicas=(note.replica_id,) if note else ())
+            log.warning("request %s: its engine replica was lost before the first token; retrying once", request_id)
+            try:
+                generation = await self._send(retry, body, timeline)
+            except ReplicaLost as exc:
+                raise OpenAIError(500, "the request failed on two engine replicas in a row; it was not retried "
+                                       "further", code="engine_replica_lost") from exc
+        self._engine_answered_at = time.monotonic()
+        return generation
+
+    async def _send(self, request: EngineRequest, body: SamplingFields, timeline: Any) -> Generation:
+        stops, skip_special, n, prompts = request.sampling.stop, body.skip_special_tokens, request.n, request.prompts
+        generation = Generation(self._stream.generate.remote(request), n, [len(p) for p in prompts],
+                                lambda i: IncrementalDetokenizer(self.tokenizer, stops, prompts[i // n], skip_special),
                                 timeline)
         try:
             await generation.start()
         except BaseException:
             generation.cancel()
             raise
-        return generation, request_id
+        return generation
 
     async def _model_info(self) -> ModelInfo:
         if self._info is None:
@@ -191,6 +291,7 @@ class OpenAIIngress:
                 if self._info is None:
                     try:
                         self._info = await self._engine.model_info.remote()
+                        self._engine_answered_at = time.monotonic()
                     except BackPressureError as exc:  # Serve would answer this in plain text
                         raise limits.overloaded(f"every engine replica is busy and {exc.message}; "
                                                 f"retry shortly") from exc

@@ -1,23 +1,24 @@
 """Bounds on what one ingress replica takes on: body size, content type, requests at once, and each one's deadline.
 
 A plain ASGI middleware (streamed bodies pass through untouched), inside the metrics middleware so its refusals
-are counted. Every refusal is an OpenAI-shaped error; overload answers 503 with `Retry-After`: past
-`max_concurrent_requests`, and also when the requests already in flight, at the rate this replica has been
-answering them, would keep a new one waiting past most of its deadline.
+are counted. Every refusal is an OpenAI-shaped error; past `max_concurrent_requests` it answers 503 with
+`Retry-After`. Whether a request can still be served in time is decided where its wait is known: each engine
+replica admits by its own predicted backlog (deployments/engine_replica.py).
 
 Deadlines: `limits.request_timeout_s`, or the shorter one a client asks for in the `X-Request-Timeout` header
-(seconds). Past it the handler is cancelled, which cancels the engine call and so aborts the request and frees
-its blocks: work nobody waits for stops. A request that has not answered yet gets 408; a stream already sent gets
-an SSE error event, then `[DONE]`.
+(seconds). The absolute deadline travels with the request to the engine (`request_deadline()`), whose scheduler
+drops a request still waiting at its deadline. Past it the handler is cancelled, which cancels the engine call
+and so aborts the request and frees its blocks: work nobody waits for stops. A request that has not answered
+yet gets 408; a stream already sent gets an SSE error event, then `[DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import math
 import time
-from collections import deque
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = b"x-request-timeout"
 GUARDED_PREFIX = "/v1/"
-ADMIT_WAIT_FRACTION = 0.8  # refuse when the expected wait passes this share of the request's deadline
+ADMIT_WAIT_FRACTION = 0.8  # an engine replica refuses when its predicted wait passes this share of the time left
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tokenline_deadline", default=None)
 
 
 class LimitsArgs(BaseModel):
@@ -50,7 +52,14 @@ class LimitsArgs(BaseModel):
                                                                       "ingress replica is full (-1: no bound)")
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0, description="how long a replica being stopped (scale "
                                                                         "down, redeploy) drains in-flight "
-                                                                        "requests")
+                                                                        "requests; never less than "
+                                                                        "request_timeout_s")
+
+    @property
+    def drain_s(self) -> float:
+        """A replica being stopped drains for as long as a request may live: a scale-in never cuts a stream that
+        would have finished within its deadline."""
+        return max(self.graceful_shutdown_timeout_s, self.request_timeout_s)
 
 
 class _BodyTooLarge(HTTPException):
@@ -66,37 +75,15 @@ def configure(limits: LimitsArgs) -> None:
     _limits = limits
 
 
-class ThroughputMeter:
-    """Requests this ingress replica answered with 200 per second, over the last `window_s` seconds."""
-
-    def __init__(self, window_s: float = 10.0, min_samples: int = 8) -> None:
-        self.window_s = window_s
-        self.min_samples = min_samples
-        self._times: deque[float] = deque()
-        self._first: float | None = None
-
-    def record(self, now: float) -> None:
-        self._first = now if self._first is None else self._first
-        self._times.append(now)
-        self._trim(now)
-
-    def rate(self, now: float) -> float | None:
-        """None until a whole window has been seen with enough answers in it: no guess is better than a bad one."""
-        self._trim(now)
-        if self._first is None or now - self._first < self.window_s or len(self._times) < self.min_samples:
-            return None
-        return len(self._times) / self.window_s
-
-    def _trim(self, now: float) -> None:
-        while self._times and self._times[0] < now - self.window_s:
-            self._times.popleft()
+def request_deadline() -> float | None:
+    """The time.time() by which the request being handled must be answered (set by the middleware)."""
+    return _DEADLINE.get()
 
 
 class RequestLimitsMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.num_in_flight = 0
-        self.throughput = ThroughputMeter()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope.get("path", "").startswith(GUARDED_PREFIX):
@@ -112,20 +99,12 @@ class RequestLimitsMiddleware:
             await _send_error(send, _overloaded(f"this server is at its limit of {limits.max_concurrent_requests} "
                                                 f"requests at once; retry shortly", limits))
             return
-        # Little's law: a request admitted now waits about (requests in flight) / (answers per second). Admitting
-        # one that cannot finish before its deadline only takes the place of one that could.
-        rate = self.throughput.rate(time.monotonic())
-        if rate and self.num_in_flight / rate > ADMIT_WAIT_FRACTION * timeout_s:
-            await _send_error(send, _overloaded(f"this server is {self.num_in_flight / rate:.0f}s behind, past "
-                                                f"this request's {timeout_s:g}s deadline; retry shortly", limits))
-            return
         self.num_in_flight += 1
+        token = _DEADLINE.set(time.time() + timeout_s)  # the handler's task copies this context
         try:
-            status = await self._serve_with_deadline(scope, _limited_receive(receive, limits.max_body_bytes), send,
-                                                     timeout_s)
-            if status == 200:
-                self.throughput.record(time.monotonic())
+            await self._serve_with_deadline(scope, _limited_receive(receive, limits.max_body_bytes), send, timeout_s)
         finally:
+            _DEADLINE.reset(token)
             self.num_in_flight -= 1
 
     async def _serve_with_deadline(self, scope: dict, receive: Any, send: Any, timeout_s: float) -> int | None:
@@ -217,13 +196,15 @@ def _too_large(max_bytes: int) -> OpenAIError:
                             f"(limits.max_body_bytes)", code="request_too_large")
 
 
-def _overloaded(message: str, limits: LimitsArgs) -> OpenAIError:
-    return OpenAIError(503, message, code="server_overloaded", headers={"Retry-After": str(limits.retry_after_s)})
+def _overloaded(message: str, limits: LimitsArgs, retry_after_s: float | None = None) -> OpenAIError:
+    seconds = max(limits.retry_after_s, math.ceil(retry_after_s or 0))
+    return OpenAIError(503, message, code="server_overloaded", headers={"Retry-After": str(seconds)})
 
 
-def overloaded(message: str) -> OpenAIError:
-    """503 with this server's Retry-After: for queues that are full anywhere behind the ingress."""
-    return _overloaded(message, _limits)
+def overloaded(message: str, retry_after_s: float | None = None) -> OpenAIError:
+    """503 with a Retry-After of `retry_after_s` (at least this server's own): for queues that are full, or too
+    slow for a deadline, anywhere behind the ingress."""
+    return _overloaded(message, _limits, retry_after_s)
 
 
 def _is_event_stream(start: dict) -> bool:

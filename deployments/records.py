@@ -3,20 +3,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import SchedulerStats
+from engine.outputs import EngineStartup, SchedulerStats
 from engine.request import TokenLogprobs
+from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 
 
 @dataclass
 class EngineRequest:
-    """One prompt, already tokenized, to be sampled ``n`` times on one replica (so the copies share its prefix cache)."""
+    """A prompt, already tokenized, to be sampled ``n`` times on one replica (so the copies share its prefix cache);
+    a completions batch adds its other prompts, each sampled ``n`` times too (choice i * n + j is prompt i's j-th).
+    One Serve call per HTTP request: Serve's router keys a call by its HTTP request's id."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the first prompt: the one the router scores replicas by
     sampling: SamplingParams
     n: int = 1
     arrival_time: float = 0.0
+    deadline: float | None = None  # time.time() past which nobody waits for the answer
+    avoid_replicas: tuple[str, ...] = ()  # replicas that already failed this request: routed to last
+    more_prompt_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_token_ids, *self.more_prompt_token_ids]
 
 
 @dataclass
@@ -47,26 +57,29 @@ class GenerationChunk:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timeline: EngineTimeline | None = None  # on a choice's final chunk, when timelines are on
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first chunk, when asked for
 
 
 @dataclass
 class RequestRejected:
-    """The engine refused the request; the message tells the caller what to change."""
+    """The engine replica refused or failed the request; the message tells the caller what happened and what to
+    change. `status` is the HTTP status it answers with: 400 for the request's own input, 408 for a deadline
+    that passed in the queue, 500 for a failed engine step (never worth retrying as is), 503 for a full replica
+    (with `retry_after_s`)."""
 
     message: str
     param: str | None = None
-    retry_after_s: float | None = None  # set when the replica is full, not the request wrong: 503, try again
+    code: str | None = None
+    status: int = 400
+    retry_after_s: float | None = None
 
 
 @dataclass
 class ModelInfo:
     """What the ingress must know about the engine to validate and frame requests."""
 
-    max_model_len: int
-    vocab_size: int
+    limits: RequestLimits
     eos_token_ids: tuple[int, ...]
-    num_kv_blocks: int
-    block_size: int
     attention_backend: str = ""  # the backend the engine chose (auto resolved): torch, cpu, triton, flash-attn
     device: str = ""
     cuda_graphs: bool = False  # decode steps replay CUDA graphs
@@ -88,6 +101,7 @@ class ReplicaStats:
     num_preemptions: int
     num_finished_requests: int
     num_active_streams: int
+    backlog_s: float | None = None  # seconds to drain what it holds (engine.backlog); None: no estimate yet
     # Filled in for the request router only (deployments/block_digest.py): the replica's time.time() when read,
     # and a Bloom filter over the block hashes its prefix cache holds.
     block_size: int = 0
@@ -114,3 +128,14 @@ class ProfileResult:
     running: bool
     changed: bool  # False: it was already in that state
     path: str | None = None
+
+
+@dataclass
+class ColdStart:
+    """Where an engine replica's start went, from its worker process's start to ready (wall clock)."""
+
+    replica_id: str
+    process_started_at: float  # time.time() when the worker process started
+    ready_at: float
+    init_s: float  # the replica's own construction: the engine and what surrounds it
+    engine: EngineStartup  # within that: weights, model, kernels (and whether they were compiled)

@@ -70,17 +70,19 @@ class PrefixAwareRouter(RequestRouter):
                            now, self.settings)
             for r in candidate_replicas]
         decision = rank(candidates, len(probes.block_hashes), self.settings, self._rng)
+        order = _avoiding(decision.order, _avoided_replicas(pending_request))
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         if pending_request is not None:
             # Every replica is ranked on each pass: when all are full, Serve should back off, not spin.
             pending_request.routing_context.should_backoff = True
             # Counted and remembered now, not once the replica accepts: a burst routed meanwhile must see it.
-            self.memory.remember(decision.order[0], probes.block_hashes, now)
-            self._track(pending_request, decision.order[0], probes)
-            self._note(pending_request, decision.order[0], decision.expected_cached_blocks)
+            self.memory.remember(order[0], probes.block_hashes, now)
+            self._track(pending_request, order[0], probes)
+            self._note(pending_request, order[0], decision.expected_cached_blocks if order[0] == decision.order[0]
+                       else 0)
         log.debug("routing %d prompt blocks: %s (guard %s, expected cached blocks %d)", len(probes.block_hashes),
-                  decision.order, decision.guarded, decision.expected_cached_blocks)
-        return [[by_key[key]] for key in decision.order]
+                  order, decision.guarded, decision.expected_cached_blocks)
+        return [[by_key[key]] for key in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         routed = self._in_flight.get(pending_request.metadata.internal_request_id)
@@ -143,6 +145,18 @@ class PrefixAwareRouter(RequestRouter):
         if serve_count is None:
             return own or None
         return max(serve_count, own)
+
+
+def _avoided_replicas(pending_request: PendingRequest | None) -> tuple[str, ...]:
+    request = _engine_request(pending_request) if pending_request is not None else None
+    return request.avoid_replicas if request is not None else ()
+
+
+def _avoiding(order: list[str], avoided: tuple[str, ...]) -> list[str]:
+    """Replicas that already failed this request go last: a retry lands elsewhere whenever it can."""
+    if not avoided:
+        return order
+    return [r for r in order if r not in avoided] + [r for r in order if r in avoided]
 
 
 def _engine_request(pending_request: PendingRequest) -> EngineRequest | None:

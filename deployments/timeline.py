@@ -74,6 +74,10 @@ class RoutingNotes:
         with self._lock:
             return self._notes.pop(request_id, None)
 
+    def peek(self, request_id: str) -> RoutingNote | None:
+        with self._lock:
+            return self._notes.get(request_id)
+
 
 ROUTING_NOTES = RoutingNotes()
 

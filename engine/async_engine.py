@@ -3,6 +3,10 @@
 The event loop never runs a step: a request is validated on the caller's side, handed to the step thread
 through a queue, and its outputs come back through an asyncio.Queue per request. Outputs that pile up
 while the consumer is busy are merged into one, so a slow consumer receives fewer, larger messages.
+
+A step that fails ends its own requests (their final output carries a RequestFailure) and the loop goes on.
+Anything that escapes a step leaves the engine's state unknown: the loop stops, every stream gets
+EngineDeadError, and `on_death` is called (an engine replica exits, so that it is replaced at once).
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.backlog import Job
 from engine.config import EngineConfig
+from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -33,6 +39,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    deadline: float | None
 
 
 @dataclass
@@ -75,10 +82,15 @@ class EngineOverloadedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`on_death` is called on the step thread once the loop has stopped on an error, after every stream
+        was told."""
         self.engine = engine or LLMEngine(config)
+        self._on_death = on_death
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -98,13 +110,35 @@ class AsyncEngine:
         """Requests accepted and not running yet: in the scheduler's queue or still in the inbox."""
         return max(0, len(self._streams) - len(self.engine.scheduler.running))
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Raises InvalidRequestError for a request this engine cannot run (engine.request_limits)."""
+        self.engine.validate(prompt_token_ids, params, n)
+
     def has_room(self, num_requests: int = 1) -> bool:
         limit = self.engine.config.max_num_waiting
         return limit is None or self.num_waiting + num_requests <= limit
 
+    def predicted_wait_s(self) -> float | None:
+        """Seconds until a request accepted now could start, after what this engine holds and what it accepted
+        and has not queued yet; None while it cannot estimate (engine.backlog)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        return self.engine.predicted_wait_s(pending)
+
+    def predicted_finish_s(self, num_prompt_tokens: int, params: SamplingParams,
+                           n: int = 1) -> tuple[float, float] | None:
+        """(seconds until n choices of this request, accepted now, would finish; seconds they take on an idle
+        engine), or None while there is no estimate."""
+        jobs = [self.engine.output_lengths.job_of_new(num_prompt_tokens, params)] * n
+        with self._lock:
+            pending = list(self._pending.values())
+        return self.engine.predicted_finish_s(jobs, pending)
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[EngineOutput]:
-        """Streams outputs until the request finishes; closing the iterator aborts the request."""
+                       arrival_time: float | None = None,
+                       deadline: float | None = None) -> AsyncIterator[EngineOutput]:
+        """Streams outputs until the request finishes; closing the iterator aborts the request. A request still
+        waiting at `deadline` (time.time()) is dropped: its final output carries the failure."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine step loop has stopped: {self.error or self.engine.rank_failure()!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -117,7 +151,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time()))
+            self._pending[request_id] = self.engine.output_lengths.job_of_new(len(prompt_token_ids), params)
+        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline))
         finished = False
         try:
             while not finished:
@@ -135,6 +170,7 @@ class AsyncEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._pending.pop(request_id, None)
             if not finished:
                 self._send(_Abort(request_id))
 
@@ -144,7 +180,7 @@ class AsyncEngine:
     async def run_on_step_thread(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
         """Runs `fn` on the step thread between two steps and returns its result."""
         if not self.is_healthy:
-            raise EngineDeadError(f"the engine step loop has stopped: {self.error!r}")
+            raise EngineDeadError("the engine step loop has stopped")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Call(fn, done))
         return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
@@ -179,12 +215,14 @@ class AsyncEngine:
                 for out in engine.step():
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the loop must tell every waiter, whatever killed it
-            log.exception("engine step loop died")
+            log.critical("engine step loop died; the engine's state is unknown", exc_info=exc)
             self.error = exc
             with self._lock:
                 streams = list(self._streams)
             for request_id in streams:
-                self._deliver(request_id, EngineDeadError(f"engine step loop died: {exc!r}"))
+                self._deliver(request_id, EngineDeadError("the engine step loop died"))
+            if self._on_death is not None:
+                self._on_death(exc)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -205,13 +243,23 @@ class AsyncEngine:
                 continue
             with self._lock:
                 alive = message.request_id in self._streams
+                self._pending.pop(message.request_id, None)
             if not alive:
                 continue  # its consumer left before the step loop saw it
             try:
                 self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                        message.arrival_time)
-            except ValueError as exc:
+                                        message.arrival_time, message.deadline, validated=True)
+            except InvalidRequestError as exc:
                 self._deliver(message.request_id, exc)
+            except Exception as exc:
+                if leaves_state_unknown(exc):
+                    raise
+                log.exception("adding request %s failed", message.request_id)
+                self.engine.requests.pop(message.request_id, None)
+                failure = RequestFailure(FailureKind.STEP_FAILED, "the engine could not queue this request",
+                                         "engine_step_failed")
+                self._deliver(message.request_id, EngineOutput(message.request_id, [], True, "error",
+                                                               failure=failure))
 
     def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
         with self._lock:

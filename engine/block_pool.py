@@ -56,6 +56,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget a block's hash: its contents can no longer be vouched for."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:

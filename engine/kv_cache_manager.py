@@ -36,7 +36,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a request that holds no blocks yet, in whole blocks."""
-        if not self.enable_caching:
+        # Prompt logprobs come from the prefill's logits: a request that asks for them computes every prompt token.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         # The last token is always recomputed: its logits are needed to sample the next one.
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -78,8 +79,14 @@ class KVCacheManager:
                 break  # blocks before an already-cached one are cached too
             self.pool.cache_block(block, request.block_hashes[i])
 
-    def free(self, request: Request) -> None:
-        self.pool.free([self.pool.blocks[i] for i in reversed(request.block_ids)])
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Drop the request's blocks. With `num_valid_tokens`, blocks past that many tokens were registered in the
+        prefix cache for a step that never finished: their hashes go, so no later prompt reads their KV."""
+        blocks = [self.pool.blocks[i] for i in request.block_ids]
+        if num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size:]:
+                self.pool.uncache(block)
+        self.pool.free(blocks[::-1])
         request.block_ids = []
 
     def reset_prefix_cache(self) -> bool:

@@ -1,27 +1,41 @@
-"""LLMEngine: add requests, call step(), read outputs. Synchronous, single-threaded, no Ray, no HTTP."""
+"""LLMEngine: add requests, call step(), read outputs. Synchronous, single-threaded, no Ray, no HTTP.
+
+A step that raises fails its batch, not the engine: each of its requests finishes with a RequestFailure, their
+blocks are freed (the blocks the step was filling leave the prefix cache) and the next step runs. Only an error
+that leaves the engine's state unknown (engine.failures.leaves_state_unknown) propagates out of `step`.
+"""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 import torch
 
 from engine.attention import effective_block_size
+from engine.backlog import MIN_FINISHED, Backlog, Job, OutputLengths, StepCostModel
 from engine.config import EngineConfig, ModelArgs
+from engine.failures import EngineFatalError, FailureKind, RequestFailure, leaves_state_unknown
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import open_checkpoint, read_generation_eos
+from engine.loader import load_model_source, open_checkpoint, read_generation_eos
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineOutput, EngineStats, SchedulerStats
+from engine.kernels import kernel_load
+from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.request import EventKind, Request, RequestStatus
+from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import GrammarCompiler, GrammarState, check_grammar
 from engine.tp_group import RankFailure, TensorParallelGroup, create_store
 from engine.tp_layout import check_shardable
 from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 
 log = logging.getLogger(__name__)
+
+PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
 
 
 class LLMEngine:
@@ -30,6 +44,7 @@ class LLMEngine:
                  ranks: RankLauncher | None = None) -> None:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again.
         With ``tensor_parallel_size`` > 1, ``ranks`` starts the other ranks (default: local processes)."""
+        started = time.perf_counter()
         block_size = effective_block_size(config.attention_backend, config.block_size)
         if block_size != config.block_size:
             log.info("the %s backend needs KV blocks of %d tokens: block_size %d becomes %d",
@@ -38,20 +53,37 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(rank_threads(config))
         torch.manual_seed(config.seed)
-        args, weights = source or open_checkpoint(config.model)
+        # Tensor parallelism reads the checkpoint lazily: each rank only its own slices.
+        args, weights = source or (open_checkpoint(config.model) if config.tensor_parallel_size > 1
+                                   else load_model_source(config.model))
         self.model_args = args
         self.max_model_len = config.model_len(args)
+        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
+        # Structured output: the grammar's end is the model's first end-of-sequence token.
+        self.grammars = GrammarCompiler(config.model, args.vocab_size, self.eos_token_ids[0]) \
+            if self.eos_token_ids else None
+        loaded = time.perf_counter()
         self.ranks: RankLauncher | None = None
         self.runner = self._start_runner(config, args, weights, ranks)
+        built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
-        self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
         self.requests: dict[str, Request] = {}
+        self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.runner.num_blocks, config.block_size)
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)
+        self.step_costs = StepCostModel()
+        self.output_lengths = OutputLengths()
+        self.backlog = Backlog()  # the queues' slot turns, refreshed after every change: other threads read it
+        self._prefill_per_step = 0.0  # prompt tokens per step lately (an average over recent steps)
+        self._step_fault: tuple[Callable[[Request], bool], BaseException] | None = None
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
+        kernels = kernel_load()
+        self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
+                                     kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
+                                     time.perf_counter() - started)
         log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d torch threads, %d KV blocks "
                  "of %d tokens, max context %d tokens, linears %s, tensor parallel %d", args.architecture,
                  config.dtype, config.device, self.runner.attention_backend, self.cuda_graphs,
@@ -63,7 +95,7 @@ class LLMEngine:
         """This process's runner; with tensor parallelism, rank 0 of a group whose other ranks start here."""
         size = config.tensor_parallel_size
         if size == 1:
-            return ModelRunner(config, args, weights, self.max_model_len)
+            return ModelRunner(config, args, weights, self.max_model_len, self.grammars)
         check_shardable(args, size)
         self.ranks = ranks or LocalRanks()
         store, rendezvous = create_store(size)
@@ -72,7 +104,8 @@ class LLMEngine:
                                 config.shm_collectives)
         self.ranks.start([RankSpec(config, r, rendezvous, self.ranks.device(r, config)) for r in range(1, size)])
         try:
-            runner = ModelRunner(config, args, weights, self.max_model_len, group, device, self.ranks.check)
+            runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars, group, device,
+                                 self.ranks.check)
         except BaseException:
             self.ranks.stop(timeout_s=0)
             group.close()
@@ -107,35 +140,31 @@ class LLMEngine:
         """Decode steps replay captured CUDA graphs."""
         return self.runner.graph_runner is not None
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
         """Raises InvalidRequestError for a request this engine cannot run; touches no state."""
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
-        if any(not isinstance(t, int) or not 0 <= t < self.model_args.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_args.vocab_size})", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
-                f"and max_tokens is {params.max_tokens} ({n + params.max_tokens} in all). "
-                f"Shorten the prompt or lower max_tokens.", "max_tokens")
-        blocks = self.kv.blocks_needed(n + params.max_tokens)
-        if blocks > self.runner.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs {blocks} KV blocks and this "
-                f"engine has {self.runner.num_blocks}; lower max_tokens or give the engine more KV memory",
-                "max_tokens")
+        self.limits.check(prompt_token_ids, params, n)
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("this model has no end-of-sequence token, so structured output cannot "
+                                          "end; send the request without it", "response_format")
+            check_grammar(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, deadline: float | None = None,
+                    validated: bool = False) -> None:
+        """`deadline` (time.time()): past it, the request is dropped if it still waits. `validated`: the caller
+        already ran `validate` on these very arguments (AsyncEngine does, before queueing)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_ids,
-                          arrival_time, record_events=self.config.record_request_events)
+                          arrival_time, record_events=self.config.record_request_events, deadline=deadline)
+        if params.structured_output is not None:
+            request.grammar = GrammarState(self.grammars.submit(params.structured_output))
         self.requests[request_id] = request
         self.scheduler.add(request)
+        self.backlog = self.backlog.plus([self.output_lengths.job_of(request)])
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -143,6 +172,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._finished += 1
+        self._refresh_backlog()
         return True
 
     def has_unfinished(self) -> bool:
@@ -150,23 +180,45 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         start, t0 = time.time(), time.perf_counter()
-        sched = self.scheduler.schedule()
+        outputs = self._fail_broken_grammars()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:
+            return outputs + self._fail_batch(self.scheduler.last_output, {}, exc, "scheduling")
+        for request in sched.expired:
+            del self.requests[request.request_id]
+        outputs += [self._output(r, [], []) for r in sched.expired]
+        self._finished += len(sched.expired)
         if sched.is_empty:
-            return []
+            self._refresh_backlog()
+            self._wait_for_grammars()
+            return outputs
         schedule_s = time.perf_counter() - t0
-        sampled = self.runner.execute(sched.scheduled)
+        # KV is computed up to here for each request; a failed step leaves nothing valid past it.
+        computed = {s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
+        decodes = [s.is_decode for s in sched.scheduled]
+        try:
+            for s in sched.scheduled:
+                if s.request.grammar is not None:
+                    s.request.grammar.start(s.request.output_token_ids)
+            self._raise_injected_fault(sched)
+            sampled = self.runner.execute(sched.scheduled)
+            sampled_outputs = self._advance(sched, sampled)
+        except Exception as exc:
+            return outputs + self._fail_batch(sched, computed, exc, "running")
+        self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s,
+                          len(sampled_outputs))
+        return outputs + sampled_outputs
+
+    def _advance(self, sched: SchedulerOutput, sampled: dict) -> list[EngineOutput]:
+        """Moves each scheduled request past the tokens it computed and appends what it sampled."""
         now = time.time()
         outputs: list[EngineOutput] = []
-        prefill_tokens = decode_tokens = prefill_reqs = 0
-        finished = 0
         for s in sched.scheduled:
             request = s.request
-            if s.num_new_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
-                decode_tokens += 1
+            if s.is_decode:
                 request.timings.num_decode_steps += 1
             else:
-                prefill_tokens += s.num_new_tokens
-                prefill_reqs += 1
                 request.timings.prefill_chunks.append((now, s.num_new_tokens))
                 request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
             request.num_computed_tokens += s.num_new_tokens
@@ -174,6 +226,8 @@ class LLMEngine:
                 continue
             token, logprobs = sampled[request.request_id]
             request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.timings.first_token is None:
@@ -185,24 +239,116 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(request, status)
                 del self.requests[request.request_id]
-                finished += 1
+                self.output_lengths.observe(request.num_output_tokens)
             outputs.append(self._output(request, [token], [logprobs] if logprobs else []))
-        self._generation_tokens += len(outputs)
+        return outputs
+
+    def _record_step(self, sched: SchedulerOutput, decodes: list[bool], computed: dict[str, int], start: float,
+                     duration_s: float, schedule_s: float, num_sampled: int) -> None:
+        """`computed`: each request's KV length before the step."""
+        decode_tokens = sum(decodes)
+        prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
+        # The context the decodes attend to, and the prefill's attention work (query x key tokens, millions).
+        context_tokens = sum(computed[s.request.request_id] + 1 for s, d in zip(sched.scheduled, decodes) if d)
+        attention = sum(s.num_new_tokens * (computed[s.request.request_id] + s.num_new_tokens / 2)
+                        for s, d in zip(sched.scheduled, decodes) if not d) / 1e6
+        finished = sum(1 for s in sched.scheduled if s.request.is_finished)
+        self._generation_tokens += num_sampled
         self._finished += finished
         self._num_steps += 1
         prefix = self.kv.stats.reset()
         self._prefix_queries += prefix.queries
         self._prefix_hits += prefix.hits
+        self.step_costs.observe(prefill_tokens, decode_tokens, duration_s)
+        self._prefill_per_step = PREFILL_DECAY * self._prefill_per_step + (1 - PREFILL_DECAY) * prefill_tokens
+        self._refresh_backlog()
         self.step_history.append(SchedulerStats(
-            step=self._num_steps, time=start, duration_s=time.perf_counter() - t0,
+            step=self._num_steps, time=start, duration_s=duration_s,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.kv.usage, num_prefill_tokens=prefill_tokens, num_decode_tokens=decode_tokens,
-            num_prefill_requests=prefill_reqs, num_decode_requests=decode_tokens,
+            num_prefill_requests=len(decodes) - decode_tokens, num_decode_requests=decode_tokens,
             num_preempted=len(sched.preempted), prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits, num_finished=finished, schedule_s=schedule_s,
+            prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired), num_context_tokens=context_tokens,
+            prefill_attention=attention, schedule_s=schedule_s,
             prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
             sample_s=self.runner.times.sample_s))
+
+    def _fail_batch(self, sched: SchedulerOutput, computed: dict[str, int], exc: Exception,
+                    stage: str) -> list[EngineOutput]:
+        """Ends every request of a failed step with an error and frees its blocks; the engine goes on.
+
+        Raises when the error leaves the engine's state unknown, or when freeing the batch fails."""
+        batch = sched.batch()
+        if leaves_state_unknown(exc):
+            raise exc
+        log.error("engine step failed while %s; failing its %d request(s): %s", stage, len(batch),
+                  [r.request_id for r in batch], exc_info=exc)
+        failure = RequestFailure(FailureKind.STEP_FAILED, "the engine failed the batch this request was in; the "
+                                 "request itself may be fine", "engine_step_failed")
+        if isinstance(exc, InvalidRequestError):  # raised on a request's own input, met only mid-step
+            failure = RequestFailure(FailureKind.INVALID_REQUEST, str(exc), exc.code, exc.param)
+        outputs = []
+        try:
+            for request in batch:
+                # One that finished earlier in this very step lost its output with the step: it fails too.
+                if not request.is_finished:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ERROR,
+                                          computed.get(request.request_id, request.num_computed_tokens))
+                request.status, request.failure = RequestStatus.FINISHED_ERROR, failure
+                self.requests.pop(request.request_id, None)
+                self._finished += 1
+                outputs.append(self._output(request, [], []))
+            self.kv.stats.reset()
+            self._refresh_backlog()
+        except Exception as cleanup_error:
+            raise EngineFatalError("freeing a failed step's requests failed; the KV pool cannot be trusted") \
+                from cleanup_error
         return outputs
+
+    def inject_step_fault(self, matches: Callable[[Request], bool], error: BaseException | None = None) -> None:
+        """Test hook: the next step whose batch holds a request that `matches` raises `error` (a RuntimeError by
+        default) after scheduling, where a failing forward pass or sampler would. It fires once."""
+        self._step_fault = (matches, error or RuntimeError("injected step fault"))
+
+    def _raise_injected_fault(self, sched: SchedulerOutput) -> None:
+        fault = self._step_fault
+        if fault is not None and any(fault[0](s.request) for s in sched.scheduled):
+            self._step_fault = None
+            raise fault[1]
+
+    def _refresh_backlog(self) -> None:
+        lengths = self.output_lengths
+        self.backlog = Backlog.of((lengths.job_of(r) for r in self.scheduler.running),
+                                  (lengths.job_of(r) for r in self.scheduler.waiting), self.config.max_num_seqs,
+                                  self.runner.num_blocks * self.config.block_size)
+
+    def predicted_wait_s(self, pending: Iterable[Job] = ()) -> float | None:
+        """Seconds until a request queued now (after `pending` ones) could start; None until this engine has run
+        MIN_STEPS steps and finished MIN_FINISHED requests. Safe to call from any thread."""
+        estimate = self._estimate(pending, [])
+        return None if estimate is None else estimate[0]
+
+    def predicted_finish_s(self, jobs: list[Job], pending: Iterable[Job] = ()) -> tuple[float, float] | None:
+        """(seconds until `jobs`, queued now after `pending` ones, would all finish; seconds they would take on an
+        idle engine), or None while there is no estimate."""
+        estimate = self._estimate(pending, jobs)
+        return None if estimate is None else estimate[1:]
+
+    def _estimate(self, pending: Iterable[Job], jobs: list[Job]) -> tuple[float, float, float] | None:
+        if not self.step_costs.ready or self.output_lengths.count < MIN_FINISHED:
+            return None
+        queued = self.backlog.plus(pending)
+        after, finish_step = queued.place(jobs)
+        alone, alone_steps = Backlog.of([], [], self.config.max_num_seqs, self.runner.num_blocks *
+                                        self.config.block_size).place(jobs)
+        alone_step_s = self.step_costs.step_seconds(alone.batch, alone.prefill_tokens / max(alone_steps, 1.0))
+        return queued.start_step * self._step_s(after), finish_step * self._step_s(after), alone_steps * alone_step_s
+
+    def _step_s(self, backlog: Backlog) -> float:
+        """A coming step's seconds: the batch the queues fill, and the prompt tokens this engine has been
+        prefilling per step lately, or the queue's own per step, if more."""
+        prefill = max(self._prefill_per_step, backlog.prefill_tokens / max(backlog.drain_steps, 1.0))
+        return self.step_costs.step_seconds(backlog.batch, prefill)
 
     def _output(self, request: Request, tokens: list[int], logprobs: list) -> EngineOutput:
         done = request.is_finished
@@ -210,7 +356,30 @@ class LLMEngine:
             request_id=request.request_id, new_token_ids=tokens, finished=done,
             finish_reason=request.status.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions, logprobs=logprobs, timings=request.timings if done else None)
+            num_preemptions=request.num_preemptions, logprobs=logprobs, timings=request.timings if done else None,
+            failure=request.failure,
+            prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else [])
+
+    def _fail_broken_grammars(self) -> list[EngineOutput]:
+        """Ends waiting requests whose grammar failed to compile (the border's check lets few through)."""
+        broken = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready and r.grammar.error]
+        outputs = []
+        for request in broken:
+            log.warning("request %s: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            request.failure = RequestFailure(FailureKind.INVALID_REQUEST,
+                                             f"the structured output could not be compiled: {request.grammar.error:.500}",
+                                             "invalid_grammar", "response_format")
+            del self.requests[request.request_id]
+            self._finished += 1
+            outputs.append(self._output(request, [], []))
+        return outputs
+
+    def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:
+        """Nothing could run: rather than spin, wait briefly for a grammar still compiling (if any)."""
+        pending = [r.grammar.future for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -4,6 +4,8 @@ Only local paths: nothing here reaches a hub.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -20,6 +22,7 @@ from engine.config import ModelArgs
 log = logging.getLogger(__name__)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+DEQUANTIZED_VERSION = 2  # bump when the conversion below changes: older dequantized copies are then ignored
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -93,6 +96,9 @@ def as_checkpoint(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, Chec
 def read_model_args(path: str | Path) -> ModelArgs:
     path = check_model_source(path)
     if is_gguf(path):
+        cached = _dequantized_path(path)
+        if cached.exists():
+            return _dequantized_args(cached)
         from gguf import GGUFReader
         return _gguf_args(GGUFReader(str(path)))
     from transformers import AutoConfig
@@ -103,13 +109,19 @@ def iter_checkpoint(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, Ch
     """Every tensor of the checkpoint, named as transformers names them, read lazily (CheckpointTensor)."""
     path = check_model_source(path)
     if is_gguf(path):
-        yield from _gguf_tensors(path, args)
+        cached = _dequantized_path(path)
+        yield from _safetensors_file(cached) if cached.exists() else _gguf_tensors(path, args)
         return
-    from safetensors import safe_open
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as handle:
-            for name in handle.keys():
-                yield name, _safetensors_tensor(handle.get_slice(name))
+        yield from _safetensors_file(f)
+
+
+def _safetensors_file(f: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    from safetensors import safe_open
+
+    with safe_open(f, framework="pt") as handle:
+        for name in handle.keys():
+            yield name, _safetensors_tensor(handle.get_slice(name))
 
 
 def _safetensors_tensor(part: Any) -> CheckpointTensor:
@@ -179,19 +191,24 @@ def _gguf_args(reader: Any) -> ModelArgs:
 
 
 def _gguf_tensors(path: Path, args: ModelArgs) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The GGUF file's tensors, dequantized when read; once every one was read whole (one device), they are kept
+    dequantized for the next start (a rank that reads slices keeps nothing: it never holds the whole model)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
+    whole: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         heads = None
         if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             # llama.cpp interleaves q/k rows for its RoPE; undone per head, so a slice of whole heads undoes alone.
             heads = args.num_heads if ".attn_q." in tensor.name else args.num_kv_heads
-        yield _hf_name(tensor.name), _gguf_tensor(tensor, heads)
+        yield _hf_name(tensor.name), _gguf_tensor(tensor, heads, _hf_name(tensor.name), whole)
+    if len(whole) == len(reader.tensors):
+        _save_dequantized(args, whole, _dequantized_path(path))
 
 
-def _gguf_tensor(tensor: Any, heads: int | None) -> CheckpointTensor:
+def _gguf_tensor(tensor: Any, heads: int | None, name: str, whole: dict[str, torch.Tensor]) -> CheckpointTensor:
     from gguf import dequantize
 
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dimensions innermost first
@@ -203,9 +220,44 @@ def _gguf_tensor(tensor: Any, heads: int | None) -> CheckpointTensor:
         if heads is not None:
             array = _unpermute_qk(array, heads * (rows[1] - rows[0]) // shape[0])
         out = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        if (start, end) == (0, shape[dim]):
+            whole[name] = out
         return out if dim == 0 else out.narrow(dim, start, end - start)
 
     return CheckpointTensor(shape, read)
+
+
+def _dequantized_path(path: Path) -> Path:
+    """Where the dequantized tensors of this GGUF file (this size, this modification time) are kept: a replica
+    that starts later reads them instead of dequantizing again (~3 s of CPU here, far more on a busy machine)."""
+    from engine.model_fetch import cache_dir
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{DEQUANTIZED_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_dir() / "dequantized" / f"{path.stem}-{key.hexdigest()[:16]}.safetensors"
+
+
+def _dequantized_args(cached: Path) -> ModelArgs:
+    from safetensors import safe_open
+
+    with safe_open(cached, framework="pt") as f:
+        fields = json.loads(f.metadata()["model_args"])
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    return ModelArgs(**fields)
+
+
+def _save_dequantized(args: ModelArgs, weights: dict[str, torch.Tensor], target: Path) -> None:
+    """Best effort: a full disk or a read-only cache only costs the next start its dequantizing."""
+    from safetensors.torch import save_file
+
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, partial, metadata={"model_args": json.dumps(dataclasses.asdict(args))})
+        partial.replace(target)  # atomic: a replica reading at the same time sees the whole file or none
+    except OSError as exc:
+        log.warning("could not keep the dequantized weights at %s: %s", target, exc)
+        partial.unlink(missing_ok=True)
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

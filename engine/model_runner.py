@@ -17,6 +17,7 @@ from engine.request import TokenLogprobs
 from engine.sampler import Sampler, SamplingBatch, sampled_to_host
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputs
+from engine.structured_output import GrammarCompiler
 from engine.tp_group import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,9 @@ class StepTimes:
 
 class ModelRunner(ModelShard):
     def __init__(self, config: EngineConfig, args: ModelArgs, weights: Weights, max_model_len: int,
-                 group: TensorParallelGroup | None = None, device: torch.device | str | None = None,
-                 check_peers=lambda: None) -> None:
+                 grammars: GrammarCompiler | None = None, group: TensorParallelGroup | None = None,
+                 device: torch.device | str | None = None, check_peers=lambda: None) -> None:
+        self.grammars = grammars
         self.sampler = Sampler()
         self.times = StepTimes()
         self._ranks_listening = False  # the other ranks run the same profiling step on their own during start-up
@@ -49,12 +51,15 @@ class ModelRunner(ModelShard):
         step = StepInputs.build(ordered)
         requests = [s.request for s in ordered if s.samples]
         # Built while the GPU runs nothing yet: its host-to-device copies then wait for no kernel.
-        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device) if requests else None
+        batch = SamplingBatch.from_requests(requests, self.args.vocab_size, self.device, self.grammars) \
+            if requests else None
         with self._on_every_rank(step):
             t1 = time.perf_counter()
             hidden = self.forward(step)
             t2 = time.perf_counter()
             logits = self.logits(step, hidden)
+            if step.prompt_spans:
+                self._prompt_logprobs(step, hidden)
         self.times = StepTimes(t1 - t0, t2 - t1)
         if batch is None:
             return {}
@@ -73,6 +78,22 @@ class ModelRunner(ModelShard):
         step = StepInputs.build(sorted(scheduled, key=lambda s: s.num_new_tokens != 1), every_token=True)
         with self._on_every_rank(step):
             return self.logits(step, self.forward(step))
+
+    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor) -> None:
+        """Appends to each asking request the logprobs of the prompt tokens this step's chunk predicts (position
+        p's logits give token p + 1's logprob); a chunk recomputed after a preemption adds none twice."""
+        targets = torch.tensor(step.prompt_targets, device=self.device)
+        wants = [want for _, count, want in step.prompt_spans for _ in range(count)]
+        entries: list[TokenLogprobs] = []
+        done = 0
+        for logits in self.prompt_logits(step, hidden):  # chunks bound the [rows, vocab] logits
+            n = logits.shape[0]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            entries += sampled_to_host(targets[done:done + n], logprobs, list(range(n)), wants[done:done + n])[1]
+            done += n
+        for request, count, _ in step.prompt_spans:
+            request.prompt_logprobs.extend(entries[:count])
+            entries = entries[count:]
 
     @contextlib.contextmanager
     def _on_every_rank(self, step: StepInputs) -> Iterator[None]:

@@ -5,7 +5,7 @@ ModelRunner adds scheduling-facing input preparation and sampling on top.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -17,7 +17,7 @@ from engine.loader import CheckpointTensor
 from engine.models.layers import select_linear_packing
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
-from engine.step_inputs import StepInputs
+from engine.step_inputs import PROMPT_LOGPROBS_ROWS, StepInputs
 from engine.tp_group import TensorParallelGroup
 from engine.tp_layout import ShardLayout
 
@@ -106,10 +106,20 @@ class ModelShard:
             return None
         return self.model.compute_logits(hidden[to_device(step.logit_rows, self.device)])
 
+    def prompt_logits(self, step: StepInputs, hidden: torch.Tensor) -> Iterator[torch.Tensor | None]:
+        """fp32 logits of the step's prompt rows, PROMPT_LOGPROBS_ROWS at a time (None on ranks other than 0)."""
+        if step.prompt_rows.numel() == 0:
+            return  # split() would still give one empty chunk
+        for rows in step.prompt_rows.split(PROMPT_LOGPROBS_ROWS):
+            yield self.model.compute_logits(hidden[to_device(rows, self.device)])
+
     @torch.inference_mode()
     def run(self, step: StepInputs) -> None:
         """The other ranks' side of a step: the same forward and logits as rank 0's."""
-        self.logits(step, self.forward(step))
+        hidden = self.forward(step)
+        self.logits(step, hidden)
+        for _ in self.prompt_logits(step, hidden):
+            pass
 
     def execute(self, scheduled: list[ScheduledRequest]) -> dict:
         """The other ranks' side of a profiling step (engine/gpu_memory.py)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.failures import RequestFailure
 from engine.request import RequestTimings, TokenLogprobs
 
 
@@ -13,20 +14,24 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     timings: RequestTimings | None = None  # set on the final output
+    failure: RequestFailure | None = None  # why it finished with "error"
+    # Logprobs of prompt tokens 1.. when the request asked for them; on its first output only.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def merge(self, later: "EngineOutput") -> "EngineOutput":
         """Coalesce two outputs of one request (streaming in fewer, larger messages)."""
         self.new_token_ids = self.new_token_ids + later.new_token_ids
         self.logprobs = self.logprobs + later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
         for name in ("finished", "finish_reason", "num_output_tokens", "num_cached_tokens", "num_preemptions",
-                     "timings"):
+                     "timings", "failure"):
             setattr(self, name, getattr(later, name))
         return self
 
@@ -49,6 +54,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up this step
     prefix_cache_hits: int
     num_finished: int
+    num_context_tokens: int = 0  # tokens of KV the decodes attended to, summed (the step model's context term)
+    prefill_attention: float = 0.0  # prefill chunks' (query, key) pairs, in millions
     # Where the step's time went; what is left of duration_s is turning samples into outputs.
     schedule_s: float = 0.0
     prepare_s: float = 0.0  # the batch's input tensors
@@ -73,3 +80,15 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_finished_requests: int
+
+
+@dataclass(frozen=True)
+class EngineStartup:
+    """Where an engine's construction went: reading the weights, building the model (prepacking included), and
+    within that the native kernels (compiled when `kernels_built`, a build-cache miss)."""
+
+    weights_s: float  # 0 when the caller handed the weights in
+    model_s: float
+    kernels_s: float
+    kernels_built: bool
+    total_s: float

@@ -8,8 +8,10 @@ from typing import NamedTuple
 
 import torch
 
+from engine.failures import RequestFailure
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -20,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request's `failure` says why
 
     @property
     def is_finished(self) -> bool:
@@ -28,7 +31,7 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 class EventKind(enum.IntEnum):
@@ -90,8 +93,9 @@ class TokenLogprobs:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  block_size: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 extra_keys: tuple | None = None, record_events: bool = True) -> None:
+                 extra_keys: tuple | None = None, record_events: bool = True, deadline: float | None = None) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # time.time() past which nobody waits for it any more
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
@@ -110,9 +114,18 @@ class Request:
         self.eos_token_ids = set(eos_token_ids)
         self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time(),
                                       events=[] if record_events else None)
+        self.failure: RequestFailure | None = None  # set when it finishes with FINISHED_ERROR
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.grammar: GrammarState | None = None  # set by the engine for structured output
+        # Logprobs of prompt tokens 1.. (when asked for), filled chunk by chunk during prefill.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def ready(self) -> bool:
+        """False while its grammar compiles: the scheduler schedules others meanwhile."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -145,6 +158,8 @@ class Request:
         if self.num_output_tokens >= params.min_tokens:
             if last in self.stop_ids or (not params.ignore_eos and last in self.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:  # the grammar took its end: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,4 +1,6 @@
-"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, seeds, logprobs; logit bias,
+penalties and structured-output bitmasks on the rows that use them (engine/logits_processors.py,
+engine/structured_output.py).
 
 Sampling uses the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws exactly from p and lets a
 seeded request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
@@ -10,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_copies import to_host
+from engine.logits_processors import LogitBias, Penalties
 from engine.request import Request, TokenLogprobs
+from engine.structured_output import GrammarCompiler, GrammarMasks
 
 
 @dataclass
@@ -26,9 +30,14 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked for min_tokens
     generators: list[tuple[int, torch.Generator]]  # seeded rows
     max_logprobs: int | None
+    # Built only when some row uses them; None costs the batch nothing.
+    logit_bias: LogitBias | None = None
+    penalties: Penalties | None = None
+    grammar: GrammarMasks | None = None
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device,
+                      grammars: GrammarCompiler | None = None) -> "SamplingBatch":
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -54,7 +63,23 @@ class SamplingBatch:
             banned=banned,
             generators=[(row, r.generator) for row, r in enumerate(requests) if r.generator is not None],
             max_logprobs=max(want) if want else None,
+            logit_bias=LogitBias.build(requests, device) if any(p.logit_bias for p in params) else None,
+            penalties=Penalties.build(requests, vocab_size, device) if any(p.has_penalties for p in params) else None,
+            grammar=GrammarMasks.build(requests, vocab_size, grammars)
+            if any(r.grammar is not None for r in requests) else None,
         )
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from, before temperature (engine/logits_processors.py gives the order)."""
+        if self.logit_bias is not None:
+            logits = self.logit_bias.apply(logits)
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        for row, ids in self.banned:
+            logits[row, ids] = float("-inf")
+        if self.grammar is not None:
+            self.grammar.apply(logits)
+        return logits
 
 
 class Sampler:
@@ -66,8 +91,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As __call__, with the token ids left on the logits' device (see sampled_to_host)."""
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
+        logits = batch.process_logits(logits)
         if batch.all_greedy:
             return logits.argmax(dim=-1), logprobs
         greedy_tokens = logits.argmax(dim=-1)

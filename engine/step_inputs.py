@@ -6,15 +6,17 @@ own device: only token ids, context and query lengths, block tables and the rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from engine.host_copies import to_device
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 
-NUM_SIZES = 4  # the sizes that frame a packed step: tokens, requests, block-table width, logit rows
+NUM_SIZES = 5  # the sizes that frame a packed step: tokens, requests, block-table width, logit rows, prompt rows
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x 49k vocab: 48 MiB in fp32)
 
 
 @dataclass
@@ -26,14 +28,31 @@ class StepInputs:
     query_lens: torch.Tensor  # [requests] new tokens per request
     block_tables: torch.Tensor  # [requests, width] padded with block 0
     logit_rows: torch.Tensor  # [rows] token indices whose logits the step computes
+    prompt_rows: torch.Tensor  # [rows] token indices whose logits give prompt logprobs (in PROMPT_LOGPROBS_ROWS)
+    # Rank 0 only (never sent): the prompt token each prompt row predicts, and (request, rows, logprobs) per request.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, ordered: list[ScheduledRequest], every_token: bool = False) -> "StepInputs":
         """The step of `ordered` (decodes first); logits for the requests that sample, or for `every_token`."""
         ids: list[int] = []
         starts, lens, tables, rows = [], [], [], []
+        prompt_rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Request, int, int]] = []
         for s in ordered:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            want = r.sampling_params.prompt_logprobs
+            if want is not None:
+                # Position p's logits give prompt token p + 1's logprob; a chunk recomputed after a preemption
+                # adds none twice.
+                first = max(start + 1, len(r.prompt_logprobs) + 1)
+                last = min(start + n, r.num_prompt_tokens - 1)
+                if first <= last:
+                    prompt_rows.extend(range(len(ids) + first - 1 - start, len(ids) + last - start))
+                    targets.extend(r.prompt_token_ids[first:last + 1])
+                    spans.append((r, last + 1 - first, want))
             ids.extend(r.all_token_ids[start:start + n])
             starts.append(start)
             lens.append(n)
@@ -46,27 +65,28 @@ class StepInputs:
         return cls(torch.tensor(ids, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
                    torch.tensor(lens, dtype=torch.int64),
                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
-                   torch.tensor(rows, dtype=torch.int64))
+                   torch.tensor(rows, dtype=torch.int64), torch.tensor(prompt_rows, dtype=torch.int64), targets, spans)
 
     @property
     def sizes(self) -> list[int]:
-        return [self.input_ids.numel(), self.query_lens.numel(), self.block_tables.shape[1], self.logit_rows.numel()]
+        return [self.input_ids.numel(), self.query_lens.numel(), self.block_tables.shape[1], self.logit_rows.numel(),
+                self.prompt_rows.numel()]
 
     def pack(self) -> torch.Tensor:
         """One flat int64 tensor; `unpack` with `sizes` gives the step back."""
         return torch.cat([self.input_ids, self.context_lens, self.query_lens, self.block_tables.reshape(-1),
-                          self.logit_rows])
+                          self.logit_rows, self.prompt_rows])
 
     @classmethod
     def unpack(cls, sizes: list[int], flat: torch.Tensor) -> "StepInputs":
-        tokens, requests, width, rows = sizes
-        parts = flat.split([tokens, requests, requests, requests * width, rows])
-        return cls(parts[0], parts[1], parts[2], parts[3].view(requests, width), parts[4])
+        tokens, requests, width, rows, prompt_rows = sizes
+        parts = flat.split([tokens, requests, requests, requests * width, rows, prompt_rows])
+        return cls(parts[0], parts[1], parts[2], parts[3].view(requests, width), parts[4], parts[5])
 
     @staticmethod
     def packed_numel(sizes: list[int]) -> int:
-        tokens, requests, width, rows = sizes
-        return tokens + requests * (2 + width) + rows
+        tokens, requests, width, rows, prompt_rows = sizes
+        return tokens + requests * (2 + width) + rows + prompt_rows
 
     def device_inputs(self, backend: AttentionBackend, block_size: int, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

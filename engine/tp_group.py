@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.failures import EngineFatalError
 from engine.step_inputs import NUM_SIZES, StepInputs
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ OP_STEP, OP_PING, OP_STOP = 1, 2, 3
 HEADER = 1 + NUM_SIZES
 
 
-class RankFailure(RuntimeError):
-    """A tensor-parallel rank is gone, failed or stopped answering: the engine cannot go on."""
+class RankFailure(EngineFatalError):
+    """A tensor-parallel rank is gone, failed or stopped answering: the engine cannot go on (fatal, not one
+    batch's failure: every later step would need that rank)."""
 
 
 @dataclass(frozen=True)

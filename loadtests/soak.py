@@ -33,10 +33,10 @@ log = logging.getLogger("soak")
 WORDS = ("river stone lantern orbit harbor meadow copper signal canyon ember glacier violet thunder willow "
          "compass marble falcon prairie quartz saffron tundra velvet zephyr beacon cobalt dune fjord grove").split()
 # Refusals named by what refused them (the message of the OpenAI-shaped error, or Serve's own text).
-ERROR_KINDS = (("requests at once", "ingress_concurrency_limit"), ("s behind, past", "ingress_deadline_admission"),
+ERROR_KINDS = (("requests at once", "ingress_concurrency_limit"), ("s behind: this request", "engine_deadline_admission"),
                ("waiting queue is full", "engine_waiting_queue"),
                ("every engine replica is busy", "engine_handle_queue"), ("backpressure", "proxy_queue"),
-               ("deadline", "request_timeout"), ("engine replica failed", "engine_replica_failed"))
+               ("deadline", "request_timeout"), ("engine replica", "engine_replica_lost"))
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,11 @@ def serve_app(smollm2_path: Path, tmp_path_factory):
     from deployments import local
     from deployments.config import AppArgs
 
-    # Key files the ingress reads on each request, empty (no keys): API-key tests write them, then empty them.
-    keys = tmp_path_factory.mktemp("keys")
-    security = {"api_keys_file": str(keys / "api_keys"), "admin_key_file": str(keys / "admin_key")}
-    for path in security.values():
-        Path(path).write_text("")
+    # No API keys: the API is open. API-key tests point the running ingress at key files of their own
+    # (tests/serve_processes.py: configure_ingress_security) and back.
     # A KV pool smaller than the model's context, so the engine's own capacity check is reachable too.
     args = AppArgs(model=str(smollm2_path), num_engine_replicas=2, engine_num_cpus=1, num_kv_blocks=384,
-                   ingress_max_replicas=1, security=security,
-                   profiler_dir=str(tmp_path_factory.mktemp("profiles")))
+                   ingress_max_replicas=1, profiler_dir=str(tmp_path_factory.mktemp("profiles")))
     # The dashboard too, for its Serve API (`.dashboard_json(path)`).
     app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000, dashboard_port=local.free_port())
     try:

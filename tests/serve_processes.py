@@ -32,14 +32,51 @@ def _getpid(replica_actor: Any) -> int:
     return os.getpid()
 
 
+def _user_callable(replica_actor) -> Any:
+    return replica_actor._replica_impl._user_callable_wrapper.user_callable
+
+
 def break_step_loop(replica_actor) -> None:
-    """Runs inside a replica: the engine's next look at its queues raises, as a failing device would."""
-    engine = replica_actor._replica_impl._user_callable_wrapper.user_callable.engine
+    """Runs inside a replica: the engine's next look at its queues raises, outside any step, as a failing device
+    would: the engine's state is unknown."""
+    engine = _user_callable(replica_actor).engine
 
     def fault() -> bool:
         raise RuntimeError("injected fault: the engine step loop dies")
 
     engine.engine.has_unfinished = fault
+
+
+def _inject_step_fault(replica_actor, prompt_prefix: list[int] | None) -> None:
+    engine = _user_callable(replica_actor).engine.engine
+    if prompt_prefix is None:
+        engine.inject_step_fault(lambda request: False)
+    else:
+        engine.inject_step_fault(lambda request: request.prompt_token_ids[:len(prompt_prefix)] == prompt_prefix)
+
+
+def inject_step_fault(prompt_prefix: list[int] | None, timeout_s: float = 30.0) -> None:
+    """Arms the engine's test hook in every engine replica: the next step holding a request whose prompt starts
+    with `prompt_prefix` raises (None disarms it)."""
+    import ray
+
+    for actor in replica_actors(ENGINE).values():
+        ray.get(actor.__ray_call__.remote(_inject_step_fault, prompt_prefix), timeout=timeout_s)
+
+
+def _configure_security(replica_actor, security) -> None:
+    from deployments import auth
+
+    auth.configure(security)
+
+
+def configure_ingress_security(security, timeout_s: float = 30.0) -> None:
+    """Points every ingress replica's key guard at `security` (key files, env var names), as the app's `security`
+    args do when it starts, without a redeploy."""
+    import ray
+
+    for actor in replica_actors(INGRESS).values():
+        ray.get(actor.__ray_call__.remote(_configure_security, security), timeout=timeout_s)
 
 
 def _object_census(replica_actor: Any) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""KeyGuard on its own: where keys come from, the admin rule, rotation, and a key file that goes missing."""
+"""KeyGuard on its own: where keys come from, the admin rule, rotation, and key files that fail closed."""
 from __future__ import annotations
 
 import os
@@ -33,21 +33,40 @@ def files(tmp_path):
 
 
 def guard_for(api, admin, env: str = "TOKENLINE_TEST_KEYS") -> KeyGuard:
-    return KeyGuard(SecurityArgs(api_keys_file=str(api), admin_key_file=str(admin), api_keys_env=env,
-                                 admin_key_env="TOKENLINE_TEST_ADMIN_KEY"))
+    """Files that are None are not configured."""
+    return KeyGuard(SecurityArgs(api_keys_file=api and str(api), admin_key_file=admin and str(admin),
+                                 api_keys_env=env, admin_key_env="TOKENLINE_TEST_ADMIN_KEY"))
 
 
-def test_without_keys_everything_is_open(files):
-    guard = guard_for(*files)
+def test_without_keys_everything_is_open():
+    guard = guard_for(None, None)
     assert status(guard.check_api, request()) == 200
     assert status(guard.check_admin, request()) == 200
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n", "# no keys yet\n", b"\xff\xfe not text"],
+                         ids=["empty", "blank-lines", "only-comments", "not-utf8"])
+def test_configured_key_file_without_a_readable_key_closes_the_api(files, content):
+    api, _ = files
+    api.write_bytes(content if isinstance(content, bytes) else content.encode())
+    guard = guard_for(api, None)
+    for req in (request(), request("sk-anything"), request("")):
+        assert status(guard.check_api, req) == 401
+    assert status(guard.check_admin, request("sk-anything")) == 403  # API keys on, no admin key: closed
+
+
+def test_key_file_that_is_a_folder_or_missing_at_start_closes_the_api(tmp_path):
+    for path in (tmp_path, tmp_path / "not-written-yet"):
+        guard = guard_for(path, None)
+        assert status(guard.check_api, request()) == 401
+        assert status(guard.check_api, request("sk-1")) == 401
+
+
 def test_api_keys_from_a_file_and_the_environment(files, monkeypatch):
-    api, admin = files
+    api, _ = files
     api.write_text("# one key a line\nsk-file-1\n\n  sk-file-2  \n")
     monkeypatch.setenv("TOKENLINE_TEST_KEYS", "sk-env-1, sk-env-2")
-    guard = guard_for(api, admin)
+    guard = guard_for(api, None)
     for key in ("sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2"):
         assert status(guard.check_api, request(key)) == 200, key
     for req in (request(), request("sk-file"), request("# one key a line"), request("sk-env-1", "Basic")):
@@ -68,21 +87,27 @@ def test_admin_key_opens_admin_endpoints_and_the_api(files):
 
 
 def test_rewritten_key_file_rotates_keys(files):
-    api, admin = files
+    api, _ = files
     api.write_text("sk-old\n")
-    guard = guard_for(api, admin)
+    guard = guard_for(api, None)
     assert status(guard.check_api, request("sk-old")) == 200
     fresh = api.with_suffix(".new")
     fresh.write_text("sk-new-and-longer\n")
     os.replace(fresh, api)
     assert status(guard.check_api, request("sk-old")) == 401
     assert status(guard.check_api, request("sk-new-and-longer")) == 200
+    # A rotation that truncates the file before writing it: in between, no key opens the API.
+    api.write_text("")
+    assert status(guard.check_api, request("sk-new-and-longer")) == 401
+    assert status(guard.check_api, request()) == 401
+    api.write_text("sk-third\n")
+    assert status(guard.check_api, request("sk-third")) == 200
 
 
 def test_key_file_that_goes_missing_refuses_every_key(files):
-    api, admin = files
+    api, _ = files
     api.write_text("sk-1\n")
-    guard = guard_for(api, admin)
+    guard = guard_for(api, None)
     assert status(guard.check_api, request("sk-1")) == 200
     api.unlink()
     assert status(guard.check_api, request("sk-1")) == 401

@@ -1,5 +1,7 @@
-"""The queue + KV policy on the real app: engine replicas scale 1 -> 2 under sustained load and back to 1 after it,
-and no request is lost on the way down. Redeploys the session's app, then puts it back as it found it."""
+"""Autoscaling on the real app: the queue + KV policy scales engine replicas 1 -> 2 under sustained load and back to 1
+after it, losing no request on the way down; the SLO policy scales an idle app to zero replicas, and requests that
+arrive then wait at the ingress until the first replica has started, none lost. Each test redeploys the session's
+app; the module puts it back as it found it."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +15,7 @@ from ray import serve
 from autoscaling.policy import QueueKVConfig
 from deployments.autoscaling_config import AutoscalingArgs
 from deployments.local import APP_NAME
+from deployments.records import ColdStart
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.disruptive]
 
@@ -83,9 +86,23 @@ class Streams:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=120)
 
 
-def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losing_requests(serve_app):
+@pytest.fixture(scope="module")
+def autoscaled_app(serve_app):
+    """The session's app, put back as it was once this module's tests have redeployed it."""
     original = serve_app.args
-    scaled = original.model_copy(update={"num_engine_replicas": 1, "autoscaling": FAST})
+    try:
+        yield serve_app
+    finally:
+        serve_app.redeploy(original)
+        deadline = time.monotonic() + 180
+        while running_engine_replicas() != original.num_engine_replicas and time.monotonic() < deadline:
+            time.sleep(1)
+    assert running_engine_replicas() == original.num_engine_replicas
+
+
+def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losing_requests(autoscaled_app):
+    serve_app = autoscaled_app
+    scaled = serve_app.args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FAST})
 
     async def scenario() -> tuple[float, float, Streams, Streams]:
         await wait_for(lambda: alive_engine_replicas() == 1 and running_engine_replicas() == 1, 120,
@@ -110,18 +127,56 @@ def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losin
             await trickle.stop()
             return up_s, down_s, heavy, trickle
 
-    try:
-        serve_app.redeploy(scaled)
-        up_s, down_s, heavy, trickle = asyncio.run(scenario())
-    finally:
-        serve_app.redeploy(original)
-        deadline = time.monotonic() + 180
-        while running_engine_replicas() != original.num_engine_replicas and time.monotonic() < deadline:
-            time.sleep(1)
-    assert running_engine_replicas() == original.num_engine_replicas
-
+    serve_app.redeploy(scaled)
+    up_s, down_s, heavy, trickle = asyncio.run(scenario())
     print(f"scaled out after {up_s:.1f}s of load, back in {down_s:.1f}s after it; "
           f"{len(heavy.completed)} heavy and {len(trickle.completed)} trickle requests")
     assert not heavy.errors and not trickle.errors, (heavy.errors + trickle.errors)[:5]
     assert heavy.completed and all(n == 128 for n in heavy.completed), heavy.completed
     assert trickle.completed and all(n == 24 for n in trickle.completed), trickle.completed
+
+
+# The SLO policy from zero: an idle app goes to zero replicas 2 s after its last request left the replicas'
+# 10 s arrival window; requests that come then wait at the ingress.
+FROM_ZERO = AutoscalingArgs(enabled=True, policy="slo", min_replicas=0, max_replicas=2, upscale_delay_s=2.0,
+                            downscale_delay_s=5.0, downscale_to_zero_delay_s=2.0, look_back_period_s=2.0,
+                            metrics_interval_s=0.5)
+FIRST_REQUESTS = 4
+# After its constructor returns, a replica passes Serve's first health check and every handle learns of it.
+ROUTABLE_AFTER_READY_S = 5.0
+
+
+def test_from_zero_replicas_the_first_requests_are_answered_once_one_has_started_none_lost(autoscaled_app):
+    serve_app = autoscaled_app
+    serve_app.redeploy(serve_app.args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FROM_ZERO}))
+
+    async def ask(client: AsyncOpenAI) -> tuple[float, int]:
+        """Seconds to the whole answer, and its completion tokens."""
+        sent = time.monotonic()
+        reply = await client.completions.create(model=serve_app.model, prompt="The sea at dawn is", max_tokens=24,
+                                                temperature=0.0, extra_body={"ignore_eos": True})
+        return time.monotonic() - sent, reply.usage.completion_tokens
+
+    async def scenario() -> tuple[float, float, list[tuple[float, int]]]:
+        async with AsyncOpenAI(base_url=f"{serve_app.base_url}/v1", api_key="unused", timeout=300,
+                               max_retries=0) as client:
+            own_s, _ = await ask(client)  # the request's own latency, on a started replica
+            await wait_for(lambda: alive_engine_replicas() == 0, 90, "scaling an idle app to zero replicas")
+            sent_at = time.time()
+            answers = await asyncio.gather(*(ask(client) for _ in range(FIRST_REQUESTS)))
+            return own_s, sent_at, answers
+
+    own_s, sent_at, answers = asyncio.run(scenario())
+    handle = serve.get_deployment_handle("EngineReplica", APP_NAME)
+    cold: ColdStart = handle.cold_start.remote().result(timeout_s=30)
+    cold_start_s = cold.ready_at - sent_at
+    first_s = min(seconds for seconds, _ in answers)
+    print(f"from zero: first answer after {first_s:.1f}s; the replica was ready {cold_start_s:.1f}s after the "
+          f"requests were sent (Serve's reaction and the worker process {cold.process_started_at - sent_at:.1f}s, "
+          f"process start to ready {cold.ready_at - cold.process_started_at:.1f}s: replica construction "
+          f"{cold.init_s:.1f}s, weights {cold.engine.weights_s:.1f}s, model {cold.engine.model_s:.1f}s, kernels "
+          f"{cold.engine.kernels_s:.1f}s {'built' if cold.engine.kernels_built else 'from the build cache'}); "
+          f"the request alone takes {own_s:.1f}s")
+    assert [tokens for _, tokens in answers] == [24] * FIRST_REQUESTS, answers
+    assert cold.process_started_at >= sent_at - 1.0, "the replica that answered was started for these requests"
+    assert first_s <= cold_start_s + own_s + ROUTABLE_AFTER_READY_S, (first_s, cold_start_s, own_s)

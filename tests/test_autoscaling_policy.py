@@ -1,6 +1,7 @@
 """The queue + KV replica-count policy, decision by decision, and Serve's own rules as the simulator restates them."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -138,7 +139,9 @@ def serve_context(metrics: dict[str, dict[str, float]], running: list[str], targ
     return SimpleNamespace(deployment_name="EngineReplica", aggregated_metrics=metrics, running_replicas=running,
                            current_num_replicas=len(running), target_num_replicas=target,
                            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
-                           total_num_requests=ongoing, policy_state=state or {}, current_time=100.0)
+                           total_num_requests=ongoing, policy_state=state or {}, current_time=100.0,
+                           config=SimpleNamespace(upscale_delay_s=10.0, look_back_period_s=10.0,
+                                                  metrics_interval_s=1.0))
 
 
 def test_serve_adapter_reads_aggregated_metrics_per_replica_and_keeps_its_state_under_its_key():
@@ -154,6 +157,19 @@ def test_serve_adapter_reads_aggregated_metrics_per_replica_and_keeps_its_state_
     assert replicas == 2
     replicas, _ = policy(serve_context({}, ["a", "b"], target=2, ongoing=0.0))
     assert replicas == 2
+
+
+def test_serve_adapter_logs_a_wanted_change_once_not_on_every_tick(caplog):
+    policy = QueueKVPolicy(**{"waiting_high": 2.0, "kv_high": 0.85})
+    busy = {"kv_usage": {"a": 0.7}, "num_waiting": {"a": 2.5}, "num_running": {"a": 8.0}}
+    steady = {"kv_usage": {"a": 0.6}, "num_waiting": {"a": 1.0}, "num_running": {"a": 8.0}}
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        for _ in range(10):  # Serve's target stays at 1 for its upscale delay: the policy keeps wanting 2
+            assert policy(serve_context(busy, ["a"], target=1, ongoing=10.5))[0] == 2
+        assert len(caplog.records) == 1 and "1 -> 2 replicas" in caplog.records[0].getMessage()
+        policy(serve_context(steady, ["a"], target=1, ongoing=9.0))  # holds: nothing to log
+        policy(serve_context(busy, ["a"], target=1, ongoing=10.5))  # wants 2 again: a new decision
+    assert len(caplog.records) == 2
 
 
 def test_serve_default_rule_is_ongoing_over_target():

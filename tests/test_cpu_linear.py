@@ -53,6 +53,14 @@ def test_native_linear_reads_strided_rows_and_keeps_leading_dims():
 
 
 @needs_native
+def test_an_odd_input_width_falls_back_to_onednn():
+    layer = linear(63, 40, False, "native")
+    assert layer.packing == "onednn"
+    x = torch.randn(3, 63).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=1e-2)
+
+
+@needs_native
 def test_native_linear_handles_an_empty_batch():
     layer = linear(64, 40, False, "native")
     assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 40)

@@ -27,13 +27,13 @@ def prompt(seed: int, num_tokens: int = 40 * BLOCK) -> list[int]:
 
 
 def routing_stats(cached_token_lists: list[list[int]], num_running: int = 0, kv_usage: float = 0.2,
-                  age_s: float = 0.0) -> dict:
+                  age_s: float = 0.0, backlog_s: float | None = None) -> dict:
     """What record_routing_stats returns for a replica whose cache holds the full blocks of these token lists."""
     hashes = [h for tokens in cached_token_lists for h in hash_block_chain(tokens, BLOCK)]
     stats = ReplicaStats(replica_id="r", num_running=num_running, num_waiting=0, kv_usage=kv_usage,
                          num_kv_blocks=384, num_free_kv_blocks=300, num_used_kv_blocks=84, prefix_cache_queries=0,
                          prefix_cache_hits=0, num_preemptions=0, num_finished_requests=0, num_active_streams=0,
-                         block_size=BLOCK, reported_at=time.time() - age_s,
+                         backlog_s=backlog_s, block_size=BLOCK, reported_at=time.time() - age_s,
                          cached_block_digest=build_digest(hashes, NUM_BITS))
     return dataclasses.asdict(stats)
 
@@ -98,6 +98,31 @@ def test_empty_or_stale_report_falls_back_to_load():
     # The same report, fresh, wins at that load.
     fresh = routing_stats([request], kv_usage=0.0)
     assert decide(request, {"holder": fresh, "fresh": fresh_empty}, {"holder": 3, "fresh": 1}).order[0] == "holder"
+
+
+def test_among_replicas_holding_the_prefix_the_least_predicted_wait_wins():
+    request = prompt(16)
+    # Equal request counts, unequal work: the replica whose requests are long is behind by seconds.
+    stats = {"slow": routing_stats([request], num_running=4, backlog_s=12.0),
+             "fast": routing_stats([request], num_running=4, backlog_s=1.0),
+             "none": routing_stats([], num_running=0, backlog_s=0.0)}
+    assert decide(request, stats, {"slow": 4, "fast": 4, "none": 0}).order[:2] == ["fast", "slow"]
+    # Requests sent since the report count at the reported cost per request: 4 more on "fast" is 1 s more.
+    even = {"a": routing_stats([request], num_running=4, backlog_s=4.0),
+            "b": routing_stats([request], num_running=4, backlog_s=4.0)}
+    assert decide(request, even, {"a": 8, "b": 5}).order[0] == "b"
+    # A burst onto idle replicas spreads: each request sent since the reports counts, whatever the KV usage says.
+    idle = {"a": routing_stats([], kv_usage=0.0, backlog_s=0.0), "b": routing_stats([], kv_usage=0.05, backlog_s=0.0)}
+    assert decide(request, idle, {"a": 1, "b": 0}).order[0] == "b"
+    assert decide(request, idle, {"a": 1, "b": 1}).order[0] == "a"
+    # Nobody a second behind (free slots everywhere): load decides, as it does without estimates.
+    busy_free = {"a": routing_stats([], num_running=2, kv_usage=0.0, backlog_s=0.2),
+                 "b": routing_stats([], num_running=2, kv_usage=0.1, backlog_s=0.0)}
+    assert decide(request, busy_free, {"a": 4, "b": 2}).order[0] == "b"
+    # A replica with no estimate yet: requests stand in for seconds for every replica.
+    unknown = {"slow": routing_stats([request], num_running=2, backlog_s=30.0),
+               "new": routing_stats([request], num_running=3)}
+    assert decide(request, unknown, {"slow": 2, "new": 3}).order[0] == "slow"
 
 
 def test_reported_load_stands_in_when_serve_has_no_live_count():
@@ -168,5 +193,7 @@ def test_replica_report_round_trips_through_replica_stats():
     report = ReplicaReport.from_routing_stats(stats)
     assert report is not None and report.is_fresh(time.time(), 5.0)
     assert PromptProbes(hash_block_chain(tokens, BLOCK)).cached_blocks(report.cached_block_digest) == 6
+    assert report.backlog_s is None  # no estimate in this report
+    assert ReplicaReport.from_routing_stats({**stats, "backlog_s": 2.5}).backlog_s == 2.5
     assert ReplicaReport.from_routing_stats({}) is None
     assert ReplicaReport.from_routing_stats({"something": "else"}) is None

@@ -69,3 +69,62 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
             tokens.append(sampler(logits.clone(), SamplingBatch.from_requests(reqs, 1000, torch.device("cpu")))[0][0])
         return tokens
     assert sample(1) == sample(9)
+
+
+def reference_logits(logits, prompt, output, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """Written from the definitions, one token at a time: OpenAI's logit_bias (clamped to [-100, 100]),
+    vLLM's repetition penalty over prompt and output, OpenAI's frequency and presence penalties over the output."""
+    out = logits.clone()
+    for token, value in (bias or {}).items():
+        out[token] += max(-100.0, min(100.0, value))
+    for token in range(out.shape[0]):
+        if repetition != 1.0 and (token in prompt or token in output):
+            out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+        count = output.count(token)
+        out[token] -= frequency * count + presence * (count > 0)
+    return out
+
+
+def test_penalties_and_logit_bias_change_the_logits_as_defined():
+    vocab = 64
+    gen = torch.Generator().manual_seed(0)
+    cases = [  # (params, prompt, output); the plain row must come back untouched
+        (SamplingParams(presence_penalty=0.7), [1, 2], [3, 3, 9]),
+        (SamplingParams(frequency_penalty=-0.4, presence_penalty=1.5), [4], [5, 5, 5, 6]),
+        (SamplingParams(repetition_penalty=1.3), [7, 8, 9], [10, 7]),
+        (SamplingParams(), [1], [2, 2]),
+        (SamplingParams(logit_bias={11: 250.0, 12: -3.5, 3: -1000}), [1], [3]),
+        (SamplingParams(repetition_penalty=0.8, frequency_penalty=0.3, logit_bias={8: 2.0}), [8, 20], [21, 21, 8]),
+    ]
+    requests = []
+    for i, (params, prompt, output) in enumerate(cases):
+        r = Request(f"r{i}", prompt, params, 16)
+        for token in output:
+            r.append_output_token(token)
+        requests.append(r)
+    logits = torch.randn(len(cases), vocab, generator=gen) * 3
+    batch = SamplingBatch.from_requests(requests, vocab, torch.device("cpu"))
+    processed = batch.process_logits(logits.clone())
+    for row, (params, prompt, output) in enumerate(cases):
+        expected = reference_logits(logits[row], prompt, output, params.presence_penalty, params.frequency_penalty,
+                                    params.repetition_penalty, params.logit_bias)
+        torch.testing.assert_close(processed[row], expected, rtol=0, atol=1e-5)
+    assert batch.penalties.rows.tolist() == [0, 1, 2, 5]  # only the rows that asked pay for penalties
+    assert torch.equal(processed[3], logits[3])
+
+
+def test_a_batch_without_penalties_or_bias_builds_neither():
+    requests = [Request("a", [1, 2], SamplingParams(temperature=0.5), 16)]
+    batch = SamplingBatch.from_requests(requests, 8, torch.device("cpu"))
+    assert batch.penalties is None and batch.logit_bias is None and batch.grammar is None
+    logits = torch.randn(1, 8)
+    assert torch.equal(batch.process_logits(logits.clone()), logits)
+
+
+def test_logit_bias_of_100_forces_the_token_and_minus_100_bans_it():
+    requests = [Request("a", [1], SamplingParams(temperature=0, logit_bias={4: 100}), 16),
+                Request("b", [1], SamplingParams(temperature=1.0, logit_bias={0: -100}), 16)]
+    logits = PROBS.log().repeat(2, 1)
+    for _ in range(20):
+        tokens, _ = Sampler()(logits.clone(), SamplingBatch.from_requests(requests, 5, torch.device("cpu")))
+        assert tokens[0] == 4 and tokens[1] != 0

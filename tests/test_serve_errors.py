@@ -40,8 +40,26 @@ BAD_BODIES = [
     pytest.param(CHAT, {"messages": HI, "top_logprobs": 3}, "top_logprobs", id="top_logprobs-without-logprobs"),
     pytest.param(CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 99}, "top_logprobs", id="top_logprobs-99"),
     pytest.param(CHAT, {"messages": HI, "stop": ["a"] * 9}, "stop", id="too-many-stops"),
-    pytest.param(CHAT, {"messages": HI, "presence_penalty": 0.5}, "presence_penalty", id="presence_penalty"),
-    pytest.param(CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools", id="tools"),
+    pytest.param(CHAT, {"messages": HI, "presence_penalty": 2.5}, "presence_penalty", id="presence_penalty-2.5"),
+    pytest.param(CHAT, {"messages": HI, "repetition_penalty": 0}, "repetition_penalty", id="repetition_penalty-0"),
+    pytest.param(CHAT, {"messages": HI, "logit_bias": {"99999999": 1}}, "logit_bias", id="logit_bias-out-of-vocab"),
+    pytest.param(CHAT, {"messages": HI, "logit_bias": {"x": 1}}, "logit_bias", id="logit_bias-not-a-token"),
+    pytest.param(CHAT, {"messages": HI, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias",
+                 id="logit_bias-301"),
+    pytest.param(CHAT, {"messages": HI, "tools": [{"type": "function"}]}, "tools", id="tools-without-function"),
+    pytest.param(CHAT, {"messages": HI, "tool_choice": "required"}, "tool_choice", id="tool_choice-without-tools"),
+    pytest.param(CHAT, {"messages": HI, "functions": [{"name": "f"}]}, "functions", id="legacy-functions"),
+    pytest.param(CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+                 id="tool_choice-unknown-function"),
+    pytest.param(CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strange"}}}}, "response_format", id="invalid-json-schema"),
+    pytest.param(CHAT, {"messages": HI, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+                 "guided_regex", id="two-structured-outputs"),
+    pytest.param(CHAT, {"messages": HI, "guided_regex": "(unclosed"}, "response_format", id="invalid-regex"),
+    pytest.param(CHAT, {"messages": HI, "guided_choice": []}, "response_format", id="no-choices"),
+    pytest.param(CHAT, {"messages": HI, "guided_json": {"type": "object"}, "min_tokens": 2}, "min_tokens",
+                 id="min_tokens-with-structured-output"),
     pytest.param(CHAT, {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options",
                  id="stream_options-without-stream"),
     pytest.param(CHAT, {"messages": []}, "messages", id="no-messages"),
@@ -53,9 +71,9 @@ BAD_BODIES = [
     pytest.param(COMPLETIONS, {"prompt": []}, "prompt", id="empty-token-prompt"),
     pytest.param(COMPLETIONS, {"prompt": [1, 2, 10_000_000]}, "prompt", id="token-id-out-of-vocab"),
     pytest.param(COMPLETIONS, {"prompt": [1, -2]}, "prompt", id="negative-token-id"),
-    pytest.param(COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", id="batched-prompts"),
+    pytest.param(COMPLETIONS, {"prompt": ["a"] * 33}, "prompt", id="33-prompts"),
+    pytest.param(COMPLETIONS, {"prompt": ["a", ""]}, "prompt", id="batch-with-an-empty-prompt"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": 50}, "logprobs", id="logprobs-50"),
-    pytest.param(COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", id="echo-with-logprobs"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix", id="suffix"),
     pytest.param(COMPLETIONS, {}, "prompt", id="missing-prompt"),
     pytest.param(CHAT, {"messages": HI, "max_tokens": 10**30}, "max_tokens", id="max_tokens-10e30"),
@@ -64,7 +82,6 @@ BAD_BODIES = [
     pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs", id="logprobs-negative"),
     pytest.param(CHAT, {"messages": HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
                  id="top_logprobs-negative"),
-    pytest.param(CHAT, {"messages": HI, "seed": 2**70}, "seed", id="seed-beyond-64-bits"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 10**12}, "min_tokens",
                  id="min_tokens-huge"),
 ]
@@ -163,6 +180,19 @@ def test_lone_surrogate_gets_400(http, path, raw, param):
     assert_openai_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400, param)
 
 
+def test_seeds_are_opaque_integers_of_any_size(http, serve_app):
+    """OpenAI's seeds are opaque: one past 64 bits wraps into the engine's range, and so does seed + choice."""
+    def texts(seed: int) -> list[str]:
+        response = http.post(CHAT, json={"model": serve_app.model, "messages": HI, "max_tokens": 4, "seed": seed,
+                                         "n": 2, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+        return [c["message"]["content"] for c in response.json()["choices"]]
+
+    assert texts(2**70) == texts(2**70)  # still reproducible
+    for seed in (-(2**70), 2**64 - 1, 2**63 - 1):
+        texts(seed)
+
+
 def test_unicode_control_characters_and_unknown_fields_are_served(http, serve_app):
     text = "\x00\x01\x07\x1b[31m\u202e\ufeff\u200b 日本語 🤖 e\u0301 \U0010ffff"
     for path, body in ((CHAT, {"messages": [{"role": "user", "content": text}], "stop": ["\x00", "🤖"]}),
@@ -171,6 +201,15 @@ def test_unicode_control_characters_and_unknown_fields_are_served(http, serve_ap
                                          "metadata": {"k": "v"}})
         assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"].startswith(text)  # echoed back intact
+
+
+@pytest.mark.parametrize("path,body", [
+    (COMPLETIONS, {"prompt": "a" * 700_000}),
+    (CHAT, {"messages": [{"role": "system", "content": "b" * 400_000}, {"role": "user", "content": "c" * 300_000}]}),
+], ids=["completion", "chat"])
+def test_text_far_beyond_the_context_is_refused_before_tokenizing(http, serve_app, path, body):
+    error = assert_openai_error(http.post(path, json={"model": serve_app.model, **body, "max_tokens": 1}), 400)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "0", "inf", "nan"])

@@ -1,6 +1,9 @@
 """schemathesis against the app's own /openapi.json: generated requests to every endpoint, valid and not.
 
 No answer may be a 5xx, every error has OpenAI's shape, and the server is healthy and idle afterwards.
+Generation bodies also get several sampling fields at once, each at an edge (past the vocabulary, past a bound,
+a huge seed...): faults that need two fields together, like `stop_token_ids` past the vocabulary with
+`min_tokens`, hide from one field at a time.
 `make test` runs TOKENLINE_FUZZ_CASES cases in all (default 240); `make fuzz` runs 1,200.
 Each case is kept cheap: generation endpoints get at most 4 new tokens, and a 20 s deadline as a backstop.
 """
@@ -15,6 +18,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
 
@@ -28,6 +32,38 @@ MAX_NEW_TOKENS = 4
 MAX_ROUNDS = 8
 # Profiling changes what the replicas do; its endpoints are fuzzed for their refusals, not run.
 SKIP = {("POST", "/start_profile")}
+VOCAB = 49152  # SmolLM2
+EDGES = {
+    "stop_token_ids": [[99999999], [-1], [0], [2], [VOCAB - 1], [VOCAB], [2] * 65, [], [2**63]],
+    "min_tokens": [0, 1, 4, -1, 10**9],
+    "max_tokens": [1, 4, 0, -1],
+    "seed": [0, -1, 2**63 - 1, 2**63, 2**70, -(2**70)],
+    "n": [1, 2, 16, 17, 0],
+    "temperature": [0, 1e-7, 0.7, 2, 2.5, -1],
+    "top_p": [1e-9, 0.5, 1, 0, 1.5],
+    "top_k": [-2, -1, 0, 1, VOCAB, 10**9],
+    "min_p": [0, 0.5, 1, 1.5],
+    "ignore_eos": [True, False],
+    "stop": ["x", ["\n", "the"], ["a"] * 9, ["y" * 300], [""]],
+    "skip_special_tokens": [False],
+    "stream": [True, False],
+}
+ENDPOINT_EDGES = {
+    "/v1/completions": {"logprobs": [0, 5, 20, 21, -1], "echo": [True, False],
+                        "prompt": ["hi", [1, 2, 3], [VOCAB], [-1], [[5, 6]], ["a", "b"]]},
+    "/v1/chat/completions": {"logprobs": [True, False], "top_logprobs": [0, 5, 20, 21],
+                             "max_completion_tokens": [1, 4, 0]},
+}
+
+
+def combined_fields(path: str):
+    """Nothing (the generated body as it is), or two to six sampling fields at once, each at one of its edges."""
+    if path not in GENERATES:
+        return st.just({})
+    edges = {**EDGES, **ENDPOINT_EDGES[path]}
+    combos = st.lists(st.sampled_from(sorted(edges)), min_size=2, max_size=6, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({name: st.sampled_from(edges[name]) for name in names}))
+    return st.one_of(st.just({}), combos)
 
 
 def cheap(body):
@@ -47,10 +83,10 @@ def fuzz(op, mode: GenerationMode, count: int, round_seed: int, session: request
     @seed(round_seed)
     @settings(max_examples=count, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy(generation_mode=mode))
-    def run(case) -> None:
+    @given(case=op.as_strategy(generation_mode=mode), fields=combined_fields(op.path))
+    def run(case, fields) -> None:
         if op.path in GENERATES:
-            case.body = cheap(case.body)
+            case.body = cheap({**case.body, **fields} if isinstance(case.body, dict) else case.body)
         response = case.call(base_url=base_url, session=session, timeout=60, headers={"X-Request-Timeout": "20"})
         statuses[response.status_code] += 1
         assert_openai_error(response, f"{op.method.upper()} {op.path} {mode.value}: {case.body!r:.300}")

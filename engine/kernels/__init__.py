@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+_load_report: list["KernelLoad"] = []
 SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
@@ -29,6 +31,15 @@ def _build_name() -> str:
     return f"tokenline_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
+@dataclass(frozen=True)
+class KernelLoad:
+    """How this process got its CPU kernels: the seconds it took, and whether they had to be compiled (a build
+    cache miss: the sources changed, or this machine never built them)."""
+
+    seconds: float
+    built: bool
+
+
 # A build takes ~30 s (minutes on a busy machine). torch's builder waits forever on the lock file of a build
 # whose process died, so a lock older than this is taken to be such a leftover and removed.
 STALE_LOCK_S = 600.0
@@ -39,8 +50,28 @@ def cpu_kernels_available() -> bool:
     """Builds (once per machine, ~30 s) and loads the CPU kernels; False if that is not possible here."""
     with _lock:
         if "cpu" not in _state:
+            started = time.perf_counter()
+            before = _newest_library()
             _state["cpu"] = _load()
+            after = _newest_library()
+            _load_report.append(KernelLoad(time.perf_counter() - started, after is not None and after != before))
         return _state["cpu"]
+
+
+def kernel_load() -> KernelLoad | None:
+    """How the kernels were loaded in this process; None before any engine asked for them."""
+    return _load_report[0] if _load_report else None
+
+
+def _newest_library() -> float | None:
+    """The newest modification time among the built libraries (torch's builder names them NAME[_vN].so)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        libraries = Path(_get_build_directory(_build_name(), verbose=False)).glob("*.so")
+        return max((lib.stat().st_mtime for lib in libraries), default=None)
+    except Exception:  # no build directory: nothing was built
+        return None
 
 
 def _load() -> bool:

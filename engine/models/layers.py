@@ -46,6 +46,8 @@ class Linear(nn.Module):
         self.packing: str | None = None
 
     def prepack(self, packing: str = "onednn") -> None:
+        if packing == "native" and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
+            packing = "onednn"
         if packing == "native":
             self.packed = torch.ops.tokenline.pack_linear_weight(self.weight.data.contiguous())
         else:

@@ -1,0 +1,209 @@
+"""Scale engine replicas to hold the SLOs at the least cost: capacity planned against a forecast of the load.
+
+Each replica reports what it sustains at the SLO (tokens per second, from its own steps: autoscaling/capacity.py)
+and the load it is offered (requests and tokens of work arriving per second: autoscaling/demand.py). The policy
+
+1. adds the replicas' offered load up (a replica that has not reported yet is taken to get its share) and
+   forecasts it one lead time ahead with Holt's linear trend (autoscaling/forecast.py), on requests and on tokens,
+   since a replica asked for now serves only after the lead time: its start-up (learned from the replicas this
+   policy asked for, `startup_s` until then), Serve's upscale delay, and the age of the metrics;
+2. asks for the fewest replicas whose capacity, less the headroom (autoscaling/headroom.py: how far the load has
+   outgrown the policy's own plans within a lead time, at the SLO's percentile), covers the larger of the load
+   now and its forecast, plus what it takes to drain the queued requests within the lead time: one replica at
+   what it sustains alone, more at what each sustains beside the others;
+3. scales in only when fewer replicas would still cover that, every replica has reported, and no replica was
+   overloaded for a lead time;
+4. keeps the queue + KV policy as a safety net (autoscaling/policy.py, its waiting mark set to the requests a
+   replica gets through in one TTFT objective): past its high marks it scales out whatever the forecast says.
+
+`slo_decision` is a pure function of DeploymentSignals, an SLOConfig and the state it returned last time;
+`SLOPolicy` adapts it to Ray Serve (`"policy_function": "autoscaling.slo_policy:SLOPolicy"`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autoscaling.capacity import SLO
+from autoscaling.forecast import Holt, HoltState
+from autoscaling.headroom import observed_headroom, prior_headroom
+from autoscaling.policy import Decision, QueueKVConfig, ServePolicy, measured_load, queue_kv_decision
+from autoscaling.signals import DeploymentSignals, ReplicaSignals
+from autoscaling.step_model import DEFAULT_PROFILE
+
+STATE_KEY = "tokenline_slo"
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """The operator's objectives, and how the policy plans for them."""
+
+    __pydantic_config__ = {"extra": "forbid"}  # AppArgs validates this record as its `autoscaling.slo`
+
+    # The SLOs: time to first token and inter-token latency, held for `percentile` of requests.
+    ttft_s: float = SLO.ttft_s
+    itl_s: float = SLO.itl_s
+    percentile: float = SLO.percentile
+    # Share of capacity kept free; None: how far the load outgrew the policy's plans, at the percentile.
+    headroom: float | None = None
+    # Replica asked for -> serving, until the policy has measured one (the measured cold start; README).
+    startup_s: float = 15.0
+    # Holt's time constants for the load's level and trend, fitted by benchmarks/fit_forecast.py on synthetic
+    # workloads the benchmark does not evaluate on: one lead time ahead, a trend cost more than it gave (None).
+    level_time_s: float = 45.0
+    trend_time_s: float | None = None
+    # The replica profile whose step model the replicas' capacity starts from.
+    profile: str = str(DEFAULT_PROFILE)
+    # Before any replica has reported: Serve's rule (ongoing / target) with this target, and only ever up.
+    fallback_target_ongoing: float = 32.0
+
+    def __post_init__(self) -> None:
+        SLO(self.ttft_s, self.itl_s, self.percentile)  # validates them
+        if self.headroom is not None and not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom is a share of capacity in [0, 1); got {self.headroom}")
+        if self.startup_s < 0 or self.level_time_s <= 0 or (self.trend_time_s is not None
+                                                            and self.trend_time_s <= 0):
+            raise ValueError("startup_s must be >= 0, level_time_s and trend_time_s (when set) > 0")
+        if self.fallback_target_ongoing <= 0:
+            raise ValueError("fallback_target_ongoing must be positive")
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.ttft_s, self.itl_s, self.percentile)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one decision read and concluded, for its log line."""
+
+    demand: float  # tokens/s offered now
+    forecast: float  # tokens/s expected one lead time ahead
+    needed: float  # tokens/s to cover: the larger of the two, plus the queue's drain
+    capacity: float  # tokens/s one replica sustains at the SLO
+    headroom: float
+    lead_s: float
+    replicas: int
+    tokens_per_request: float
+
+    def describe(self) -> str:
+        return (f"load {self.demand:.0f} tok/s, forecast {self.forecast:.0f} in {self.lead_s:.0f}s, "
+                f"needs {self.needed:.0f}; {self.capacity:.0f} tok/s per replica at the SLO, "
+                f"{self.headroom:.0%} headroom: {self.replicas} replicas")
+
+
+def lead_time_s(signals: DeploymentSignals, startup_s: float) -> float:
+    """A replica asked for now serves after this: Serve's delay, its start-up, and the metrics' mean age."""
+    return signals.upscale_delay_s + startup_s + signals.look_back_period_s / 2 + signals.metrics_interval_s
+
+
+def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any]) -> Decision:
+    """The replica count this policy wants, within [min_replicas, max_replicas], and its new state."""
+    state = _track_startup(dict(state), signals)
+    n, target = signals.current_replicas, signals.target_replicas
+    low, high, now = signals.min_replicas, signals.max_replicas, signals.now
+
+    def decide(num: int, reason: str) -> Decision:
+        return Decision(min(max(num, low), high), reason, state)
+
+    if n == 0:
+        return decide(target, "no running replica")
+    reported = [r for r in signals.reported if r.capacity_tokens_per_s is not None]
+    if not reported:
+        wanted = math.ceil(signals.total_ongoing / config.fallback_target_ongoing)
+        if wanted > target:
+            return decide(wanted, f"no capacity reported yet; {signals.total_ongoing:.0f} ongoing requests")
+        return decide(target, "no capacity reported yet")
+
+    plan = _plan(signals, config, state, reported)
+    wanted = plan.replicas
+    overload = _safety_net(signals, config, plan, state)
+    if overload is not None:
+        state["last_overloaded_at"] = now
+        wanted = max(wanted, overload.num_replicas)
+    if wanted > target:
+        reason = f"overloaded ({overload.reason})" if overload and overload.num_replicas >= wanted else plan.describe()
+        return decide(wanted, reason)
+    if wanted == target or n <= low:
+        return decide(target, plan.describe())
+    if not signals.all_reported or target > n:
+        return decide(target, "fewer replicas would cover the load, but not every replica serves or reported")
+    last_overloaded = state.get("last_overloaded_at")
+    if last_overloaded is not None and now - last_overloaded < plan.lead_s:
+        return decide(target, "fewer replicas would cover the load, but a replica was overloaded lately")
+    return decide(wanted, f"fewer replicas cover it: {plan.describe()}")
+
+
+def _plan(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],
+          reported: list[ReplicaSignals]) -> Plan:
+    """The load, its forecast, the headroom and the replicas that cover them; updates the forecaster's state."""
+    now = signals.now
+    share = signals.current_replicas / len(reported)  # replicas that have not reported get their share
+    demand = sum(r.demand_tokens_per_s for r in reported) * share
+    arrivals = sum(r.arrivals_per_s for r in reported) * share
+    capacity = sum(r.capacity_tokens_per_s for r in reported) / len(reported)
+    alone = sum(r.capacity_alone_tokens_per_s or r.capacity_tokens_per_s for r in reported) / len(reported)
+    per_request = demand / arrivals if arrivals > 0 else state.get("tokens_per_request", 0.0)
+    state["tokens_per_request"] = per_request
+
+    holt = Holt(config.level_time_s, config.trend_time_s)
+    demand_state = holt.update(_holt(state.get("demand")), demand, now)
+    arrivals_state = holt.update(_holt(state.get("arrivals")), arrivals, now)
+    state["demand"], state["arrivals"] = asdict(demand_state), asdict(arrivals_state)
+    lead = lead_time_s(signals, state.get("startup_s", config.startup_s))
+    forecast = max(holt.forecast(demand_state, lead), holt.forecast(arrivals_state, lead) * per_request)
+
+    # Requests queued in the engines and in Serve's handles: work to drain within the lead time.
+    waiting = sum(r.num_waiting for r in reported) * share
+    if signals.all_reported:
+        waiting += max(0.0, signals.total_ongoing - sum(r.num_waiting + r.num_running for r in reported))
+    needed = max(demand, forecast) + waiting * per_request / lead
+    headroom = config.headroom
+    if headroom is None:
+        headroom = observed_headroom(state, now, needed, demand_state.level, lead, config.percentile)
+    if headroom is None:
+        headroom = prior_headroom(max(arrivals, arrivals_state.level), lead, config.percentile)
+    if demand == 0 and signals.total_ongoing == 0:
+        wanted = 0
+    elif needed <= alone * (1 - headroom):
+        wanted = 1
+    else:  # two or more, each sustaining its share beside the others
+        wanted = max(2, math.ceil(needed / max(capacity * (1 - headroom), 1e-9)))
+    return Plan(demand, forecast, needed, capacity, headroom, lead, wanted, per_request)
+
+
+def _safety_net(signals: DeploymentSignals, config: SLOConfig, plan: Plan,
+                state: dict[str, Any]) -> Decision | None:
+    """The queue + KV policy's overload answer, or None when it sees no overload. Its waiting mark is the requests
+    one replica gets through in one TTFT objective at its capacity."""
+    per_request = plan.tokens_per_request
+    waiting_high = max(1.0, config.ttft_s * plan.capacity / per_request) if per_request > 0 else 2.0
+    marks = QueueKVConfig(waiting_high=waiting_high, waiting_low=waiting_high / 4)
+    load = measured_load(signals)
+    if load is None or load.pressure(marks) <= 1:
+        return None
+    return queue_kv_decision(signals, marks, state.get("safety", {}))
+
+
+def _track_startup(state: dict[str, Any], signals: DeploymentSignals) -> dict[str, Any]:
+    """Measures start-up: from the first decision that saw more replicas asked for than running, to the one that
+    saw them all running. Each measurement replaces half of the estimate."""
+    if signals.target_replicas > signals.current_replicas:
+        state.setdefault("starting_since", signals.now)
+    elif "starting_since" in state:
+        measured = signals.now - state.pop("starting_since")
+        previous = state.get("startup_s")
+        state["startup_s"] = measured if previous is None else (previous + measured) / 2
+    return state
+
+
+def _holt(saved: dict[str, float] | None) -> HoltState | None:
+    return HoltState(**saved) if saved else None
+
+
+class SLOPolicy(ServePolicy):
+    """`"policy_function": "autoscaling.slo_policy:SLOPolicy"`, `policy_kwargs`: the SLOConfig fields."""
+
+    config_type = SLOConfig
+    state_key = STATE_KEY
+    decide = staticmethod(slo_decision)

@@ -1,0 +1,331 @@
+"""A real run of the app under the SLO policy (1 to 2 engine replicas), against the simulator's prediction of the
+same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`.
+
+The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes),
+with AppArgs' autoscaling delays. A first minute and a half of light load (one replica) calibrates: the replicas
+report how much slower than the recorded profile their steps run in the app (an ingress, a proxy and this client
+share the two cores with them, which the profile, measured on the engine alone, does not see). The workload is
+then ten minutes of Poisson arrivals, quiet, then busy enough to need a second replica, then quiet again (rates
+set from the calibrated profile's capacity for the workload's request sizes), prompts of exact token counts with
+random tokens (no shared prefix), each asking for its own number of tokens with ignore_eos, streamed. Every
+second the run samples how many engine replicas are alive, and every ten seconds the replicas' step correction.
+
+The simulator replays the very same requests (arrival times, prompt and output tokens) with the same policy,
+delays and bounds: a priori, on the profile scaled by the calibration's correction, with the policy's default
+start-up time (what was known before the run); a posteriori, with the correction and start-up time the run
+measured. Writes JSON and a PNG. Holds the CPU for about 15 minutes: run it alone.
+
+    flock /tmp/tokenline-heavy.lock python -m benchmarks.validate_autoscale --model MODEL \\
+        --out results/validate_autoscale.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from autoscaling.capacity import CapacityModel, RequestSizes
+from autoscaling.report import Summary, summarize
+from autoscaling.serve_rules import ServeAutoscalingConfig
+from autoscaling.simulator import ClusterConfig, SimResult, SLOSimPolicy, simulate
+from autoscaling.slo_policy import SLOConfig
+from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile, StepTimeModel
+from autoscaling.workload import RequestSpec
+from deployments.autoscaling_config import AutoscalingArgs
+from deployments.config import AppArgs, EngineArgs
+from deployments.router_config import RouterArgs
+from loadtests.plot import pyplot, save_figure
+
+log = logging.getLogger("validate_autoscale")
+
+TOLERANCE = 0.15
+PHASES = ((150.0, 0.35), (210.0, 1.5), (240.0, 0.35))  # (seconds, request rate as a share of one replica's)
+CALIBRATION = ((90.0, 0.35),)
+INPUT_MEAN, INPUT_CV, MAX_INPUT = 200, 0.6, 800
+OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT = 100, 0.6, 400
+KV_CACHE_BYTES = 512 << 20  # serve_config.yaml's, as the profile was measured with
+
+
+def workload(profile: ReplicaProfile, config: SLOConfig, seed: int,
+             phases: tuple[tuple[float, float], ...] = PHASES) -> list[RequestSpec]:
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: float, cv: float, cap: int, n: int) -> np.ndarray:
+        sigma = np.sqrt(np.log(1 + cv * cv))
+        return np.clip(np.round(rng.lognormal(np.log(mean) - sigma * sigma / 2, sigma, n)), 1, cap).astype(int)
+
+    prompts, outputs = lengths(INPUT_MEAN, INPUT_CV, MAX_INPUT, 4096), lengths(OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT, 4096)
+    alone = CapacityModel(profile, config.slo).capacity(RequestSizes(
+        prompts[:512].astype(float), np.zeros(512), outputs[:512].astype(float))).alone_requests_per_s
+    specs, start, i = [], 0.0, 0
+    for seconds, share in phases:
+        t = start + rng.exponential(1 / (share * alone))
+        while t < start + seconds:
+            specs.append(RequestSpec(float(t), int(prompts[i]), int(outputs[i]), max_tokens=int(outputs[i])))
+            i += 1
+            t += rng.exponential(1 / (share * alone))
+        start += seconds
+    log.info("one replica sustains %.2f requests/s of these at the SLO (profile): %d requests over %.0f s",
+             alone, len(specs), start)
+    return specs
+
+
+@dataclasses.dataclass
+class RealRun:
+    requests: list[RequestSpec]  # as sent, with the prompt tokens the ingress counted
+    ttft_s: list[float | None]
+    itl_s: list[float | None]
+    replicas: list[tuple[float, int]]  # (seconds into the run, engine replicas alive)
+    corrections: list[float]
+    startup_s: list[float]  # each scale-out: asked for (a replica appears) -> running
+    errors: int
+    calibration: float  # the replicas' step correction after the calibrating load
+
+
+def scaled(profile: ReplicaProfile, correction: float) -> ReplicaProfile:
+    """The profile with every step `correction` times as long."""
+    model = StepTimeModel(*(correction * getattr(profile.step_model, f.name)
+                            for f in dataclasses.fields(StepTimeModel)))
+    return dataclasses.replace(profile, step_model=model)
+
+
+def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) -> RealRun:
+    from deployments import local
+    from engine.loader import load_tokenizer
+    from loadtests.arrivals import LoadMode
+    from loadtests.openai_api import EndpointConfig
+    from loadtests.prompts import PromptBuilder
+    from loadtests.records import RequestSpec as LoadSpec
+    from loadtests.runner import RunLimits, run_load
+
+    autoscaling = AutoscalingArgs(enabled=True, policy="slo", min_replicas=1, max_replicas=2, slo=config)
+    args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
+                   engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
+                   autoscaling=autoscaling)
+    builder = PromptBuilder(load_tokenizer(model), seed=seed)
+
+    def load_specs_of(specs: list[RequestSpec]) -> list[LoadSpec]:
+        prompts = builder.texts([builder.random_tokens(s.prompt_tokens) for s in specs])
+        return [LoadSpec(i, p.text, p.num_tokens, s.output_tokens, send_offset_s=s.arrival_s)
+                for i, (p, s) in enumerate(zip(prompts, specs))]
+
+    calibrating = load_specs_of(workload(profile, config, seed + 1, CALIBRATION))
+    app = local.start(args, num_cpus=2)
+    samples: list[tuple[float, int, int]] = []  # (time, alive, running)
+    corrections: list[float] = []
+    stop = threading.Event()
+
+    def watch(started: float) -> None:
+        last_correction = 0.0
+        while not stop.is_set():
+            states = _engine_states()
+            samples.append((time.time() - started, sum(states.values()), states.get("RUNNING", 0)))
+            if time.time() - last_correction >= 10:
+                corrections.extend(_step_corrections())
+                last_correction = time.time()
+            stop.wait(1.0)
+
+    try:
+        endpoint = EndpointConfig(app.base_url, app.model, endpoint="completions", streaming=True, ignore_eos=True,
+                                  extra_body={"temperature": 0.0})
+        asyncio.run(run_load(endpoint, LoadMode(trace=True), calibrating, RunLimits(max_requests=len(calibrating)),
+                             progress=False))
+        calibration = float(np.median(_step_corrections() or [1.0]))
+        specs = workload(scaled(profile, calibration), config, seed)
+        load_specs = load_specs_of(specs)
+        log.info("calibrated: the replicas' steps run %.2fx the profile's", calibration)
+        deadline = time.monotonic() + 300  # the run starts, as the simulation does, from one replica
+        while sum(_engine_states().values()) != 1 and time.monotonic() < deadline:
+            time.sleep(1)
+        started = time.time()
+        watcher = threading.Thread(target=watch, args=(started,), daemon=True)
+        watcher.start()
+        result = asyncio.run(run_load(endpoint, LoadMode(trace=True), load_specs,
+                                      RunLimits(max_requests=len(load_specs), grace_period_s=120.0), progress=False))
+        stop.set()
+        watcher.join(timeout=30)
+    finally:
+        stop.set()
+        app.stop()
+    records = {r.index: r for r in result.profiling}
+    ttft, itl, sent = [], [], []
+    for spec, load_spec in zip(specs, load_specs):
+        record = records.get(load_spec.index)
+        ok = record is not None and record.ok and record.chunk_perf_ns
+        tokens = record.usage.completion_tokens if ok and record.usage else None
+        ttft.append((record.chunk_perf_ns[0] - record.start_perf_ns) / 1e9 if ok else None)
+        itl.append((record.chunk_perf_ns[-1] - record.chunk_perf_ns[0]) / 1e9 / (tokens - 1)
+                   if ok and tokens and tokens > 1 else (0.0 if ok else None))
+        sent.append(dataclasses.replace(spec, prompt_tokens=load_spec.input_tokens,
+                                        arrival_s=(record.start_ns / 1e9 - started) if record else spec.arrival_s))
+    return RealRun(sent, ttft, itl, [(t, alive) for t, alive, _ in samples], corrections, _startups(samples),
+                   sum(1 for r in records.values() if not r.ok), calibration)
+
+
+def _engine_states() -> dict[str, int]:
+    """Engine replicas by state (STARTING, RUNNING, STOPPING, ...)."""
+    from ray import serve
+
+    from deployments.local import APP_NAME
+
+    return serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states
+
+
+def _step_correction(replica_actor) -> float:
+    """Runs inside an engine replica: its step time over the profile's prediction, as it reports it to Serve."""
+    replica = replica_actor._replica_impl._user_callable_wrapper.user_callable
+    return float(replica.record_autoscaling_stats()["step_correction"])
+
+
+def _step_corrections() -> list[float]:
+    """Each engine replica's step correction now."""
+    import ray
+
+    from deployments.local import REPLICA_ACTOR_PREFIX
+
+    values = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(REPLICA_ACTOR_PREFIX):
+            try:
+                actor = ray.get_actor(entry["name"], namespace="serve")
+                values.append(ray.get(actor.__ray_call__.remote(_step_correction), timeout=10))
+            except Exception as exc:  # a replica starting or going away
+                log.info("no step correction from %s: %r", entry["name"], exc)
+    return values
+
+
+def _startups(samples: list[tuple[float, int, int]]) -> list[float]:
+    """Seconds from a replica appearing (asked for) to it running, for each scale-out seen."""
+    out, since = [], None
+    for t, alive, running in samples:
+        if alive > running and since is None:
+            since = t
+        elif alive == running and since is not None:
+            out.append(t - since)
+            since = None
+    return out
+
+
+def real_summary(run: RealRun, config: SLOConfig, end_s: float) -> dict:
+    good = sum(1 for ttft, itl in zip(run.ttft_s, run.itl_s)
+               if ttft is not None and ttft <= config.ttft_s and itl is not None and itl <= config.itl_s)
+    ttfts = [t for t in run.ttft_s if t is not None]
+    return {"requests": len(run.requests), "errors": run.errors, "good_requests": good, "goodput_rps": good / end_s,
+            "attainment": good / len(run.requests), "ttft_p90_s": float(np.percentile(ttfts, 90)),
+            "replica_seconds": _integrate(run.replicas, end_s), "mean_replicas": _integrate(run.replicas, end_s) / end_s}
+
+
+def _integrate(points: list[tuple[float, int]], end_s: float) -> float:
+    total = 0.0
+    for (t, n), (following, _) in zip(points, points[1:] + [(end_s, 0)]):
+        total += max(0.0, min(following, end_s) - t) * n
+    return total
+
+
+def replicas_at(points: list[tuple[float, int]], times: np.ndarray) -> np.ndarray:
+    ts = np.array([t for t, _ in points])
+    counts = np.array([n for _, n in points])
+    return counts[np.clip(np.searchsorted(ts, times, side="right") - 1, 0, len(counts) - 1)]
+
+
+def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
+              end_s: float) -> tuple[SimResult, Summary]:
+    defaults = AutoscalingArgs()
+    serve = ServeAutoscalingConfig(min_replicas=1, max_replicas=2, upscale_delay_s=defaults.upscale_delay_s,
+                                   downscale_delay_s=defaults.downscale_delay_s,
+                                   look_back_period_s=defaults.look_back_period_s,
+                                   metrics_interval_s=defaults.metrics_interval_s)
+    cluster = ClusterConfig(serve=serve, initial_replicas=1, startup_s=startup_s,
+                            graceful_shutdown_timeout_s=AppArgs().limits.graceful_shutdown_timeout_s)
+    result = simulate(specs, profile, SLOSimPolicy(config), cluster)
+    return result, summarize(result, config.slo, 0.0, end_s)
+
+
+def compare(real: dict, sim: Summary, real_counts: np.ndarray, sim_counts: np.ndarray) -> dict:
+    rel = lambda ours, theirs: abs(ours - theirs) / max(abs(theirs), 1e-9)  # noqa: E731
+    errors = {"goodput": rel(sim.goodput_rps, real["goodput_rps"]),
+              "replica_seconds": rel(sim.replica_seconds, real["replica_seconds"]),
+              "replicas_over_time": float(np.mean(np.abs(sim_counts - real_counts)) / np.mean(real_counts)),
+              "ttft_p90": rel(sim.ttft_p90_s, real["ttft_p90_s"])}
+    return {"simulated": {"goodput_rps": sim.goodput_rps, "attainment": sim.attainment,
+                          "replica_seconds": sim.replica_seconds, "ttft_p90_s": sim.ttft_p90_s},
+            "relative_errors": errors, "within_tolerance": all(e <= TOLERANCE for e in errors.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--out", default="results/validate_autoscale.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    profile, config = ReplicaProfile.load(args.profile), SLOConfig()
+    end_s = sum(seconds for seconds, _ in PHASES)
+    load_before = os.getloadavg()
+    run = run_real(args.model, profile, config, args.seed)
+    load_after = os.getloadavg()
+    real = real_summary(run, config, end_s)
+    times = np.arange(0.0, end_s, 1.0)
+    real_counts = replicas_at(run.replicas, times)
+
+    prior_result, prior = simulated(run.requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    measured_startup = float(np.mean(run.startup_s)) if run.startup_s else config.startup_s
+    correction = float(np.median(run.corrections)) if run.corrections else run.calibration
+    post_result, post = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s)
+    sim_counts = [replicas_at([(p.t, p.running + p.starting + p.draining) for p in r.timeline], times)
+                  for r in (prior_result, post_result)]
+    report = {"real": real, "a_priori": compare(real, prior, real_counts, sim_counts[0]),
+              "a_posteriori": compare(real, post, real_counts, sim_counts[1]),
+              "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,
+                           "step_correction_median": correction,
+                           "step_corrections": run.corrections, "load_average_before": load_before,
+                           "load_average_after": load_after},
+              "workload": {"phases": PHASES, "input": [INPUT_MEAN, INPUT_CV, MAX_INPUT],
+                           "output": [OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT], "seed": args.seed},
+              "slo": dataclasses.asdict(config), "tolerance": TOLERANCE}
+    for name in ("a_priori", "a_posteriori"):
+        errors = report[name]["relative_errors"]
+        print(f"{name}: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items())
+              + f" -> {'within' if report[name]['within_tolerance'] else 'NOT within'} {TOLERANCE:.0%}")
+    print(f"real: {real}; step correction {run.calibration:.2f} calibrated, {correction:.2f} in the run (median), "
+          f"start-ups {run.startup_s}, load average "
+          f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    _plot(times, real_counts, sim_counts, run, prior_result, config, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _plot(times, real_counts, sim_counts, run: RealRun, prior: SimResult, config: SLOConfig, path: Path) -> None:
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
+    top.step(times, real_counts, where="post", label="real")
+    top.step(times, sim_counts[0], where="post", label="simulated (a priori)")
+    top.step(times, sim_counts[1], where="post", ls="--", label="simulated (measured start-up and steps)")
+    top.set_ylabel("engine replicas")
+    top.legend(fontsize=8)
+    bottom.scatter([s.arrival_s for s, t in zip(run.requests, run.ttft_s) if t is not None],
+                   [t for t in run.ttft_s if t is not None], s=3, label="real")
+    done = [r for r in prior.requests if r.first_token_s is not None]
+    bottom.scatter([r.spec.arrival_s for r in done], [r.first_token_s - r.spec.arrival_s for r in done], s=3,
+                   alpha=0.6, label="simulated (a priori)")
+    bottom.axhline(config.ttft_s, color="black", lw=0.8, ls="--")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("TTFT (s)")
+    bottom.set_xlabel("seconds into the run")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""What a replica's cold start is made of, and what shortens it: the engine reports its start-up phases, a GGUF
+model is dequantized once per machine, and the native kernels keep one build per version of their sources."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine import kernels
+from engine import loader
+from tests.tiny_models import write_tiny_model
+
+
+def test_an_engine_reports_where_its_start_up_went(tmp_path):
+    path = tmp_path / "tiny"
+    write_tiny_model(path, "llama")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, num_threads=1))
+    startup = engine.startup
+    assert startup.weights_s > 0 and startup.model_s > 0
+    assert startup.total_s >= startup.weights_s + startup.model_s
+    assert 0 <= startup.kernels_s <= startup.total_s
+    handed = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, num_threads=1),
+                       source=loader.load_model_source(path))
+    assert handed.startup.weights_s == 0.0  # the caller read the weights
+
+
+def test_the_kernel_build_is_named_after_its_sources(tmp_path, monkeypatch):
+    """Two versions of the sources sharing a machine keep two builds: neither start rebuilds the other's."""
+    name = kernels._build_name()
+    for source in kernels.SOURCES:
+        (tmp_path / source).write_text(f"// {source}")
+    monkeypatch.setattr(kernels, "__file__", str(tmp_path / "__init__.py"))
+    first = kernels._build_name()
+    (tmp_path / kernels.SOURCES[0]).write_text("// changed")
+    assert kernels._build_name() != first != name
+    monkeypatch.undo()
+    assert kernels._build_name() == name
+
+
+@pytest.mark.slow
+def test_a_gguf_model_is_dequantized_once_and_read_back_equal(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENLINE_CACHE", str(tmp_path))
+    kept = loader._dequantized_path(smollm2_path)
+    assert not kept.exists()
+    args, weights = loader.load_model_source(smollm2_path)
+    assert kept.exists() and not list(kept.parent.glob("*.partial"))
+    again_args, again = loader.load_model_source(smollm2_path)
+    assert again_args == args
+    assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
