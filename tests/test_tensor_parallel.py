@@ -1,5 +1,5 @@
-"""Tensor parallelism on CPU: a replica over two local ranks gives what one device gives, and a rank's death ends
-the engine at once instead of hanging it."""
+"""Tensor parallelism on CPU: an engine over two local ranks gives what one device gives (tokens, logits, prompt
+logprobs), and a rank's death ends the engine at once instead of hanging it."""
 from __future__ import annotations
 
 import os
@@ -62,6 +62,17 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
         engine.kv.free(request)
 
 
+def prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> list:
+    """The prompt's logprobs (chunked prefill: they come a chunk at a time), through every rank."""
+    engine.add_request("prompt-logprobs", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    entries = []
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        entries += [e for out in engine.step() if out.request_id == "prompt-logprobs" for e in out.prompt_logprobs]
+    return entries
+
+
 def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
@@ -95,12 +106,21 @@ def test_two_ranks_give_the_tokens_and_logits_of_one(tmp_path, model, shm):
             logits = prompt_logits(engine, prompts[0])
             tokens = engine.generate(prompts, params)
             stats = engine.stats()
+            entries = prompt_logprobs(engine, prompts[1])
         finally:
             engine.close()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
-        results[size] = (logits, tokens)
+        results[size] = (logits, tokens, entries)
     torch.testing.assert_close(results[2][0], results[1][0], atol=1e-4, rtol=1e-4)
     assert results[2][1] == results[1][1]
+    one, two = results[1][2], results[2][2]
+    assert len(one) == len(two) == len(prompts[1]) - 1
+    assert [e.token_id for e in two] == [e.token_id for e in one]
+
+    def values(entries):  # each prompt token's logprob, then its top-2 (ids may swap on a near-tie)
+        return torch.tensor([[e.logprob] + [lp for _, lp in e.top] for e in entries])
+
+    torch.testing.assert_close(values(two), values(one), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("shm", [pytest.param(True, id="shared-memory"), pytest.param(False, id="gloo")])
@@ -146,7 +166,8 @@ def test_a_rank_that_hangs_fails_the_step_within_the_collective_timeout(tmp_path
         engine.step()
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RankFailure, match="within 2"):
+        # The step's broadcast (gloo) or the first all-reduce (shared memory), whichever waits on the rank first.
+        with pytest.raises(RankFailure, match=r"2000ms|within 2"):
             for _ in range(200):
                 engine.step()
         assert time.monotonic() - start < 6
