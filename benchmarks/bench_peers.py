@@ -103,7 +103,7 @@ def start(system: System, model: str, hf_dir: Path, port: int, venv: Path, log_p
     if system.kind == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0", LD_PRELOAD=_preload(venv))
         cmd = [str(venv / "bin" / "vllm"), "serve", str(hf_dir), "--dtype", "bfloat16", "--host", "127.0.0.1",
-               "--port", str(port), "--disable-log-requests"]
+               "--port", str(port)]
     else:
         config = tokenline_config(system, model, log_path.with_suffix(".yaml"))
         cmd = [sys.executable, "-m", "deployments.run", "--http-port", str(port), "--dashboard-port",

@@ -89,7 +89,12 @@ class EngineReplica:
         entered = time.monotonic()
         prompts = request.prompts
         num_choices = request.n * len(prompts)
-        refusal = self._refusal(request)
+        try:
+            refusal = self._refusal(request)
+        except Exception:  # a check that broke is this request's failure, never the replica's
+            log.exception("request %s: checking it failed", request.request_id)
+            refusal = RequestRejected("the engine replica could not check this request", code="internal_error",
+                                      status=500)
         if refusal is not None:
             yield refusal
             return

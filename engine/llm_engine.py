@@ -45,6 +45,7 @@ class LLMEngine:
         """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again.
         With ``tensor_parallel_size`` > 1, ``ranks`` starts the other ranks (default: local processes)."""
         started = time.perf_counter()
+        loaded_before = kernel_load() is not None  # this process loaded the kernels already: not this engine's cost
         block_size = effective_block_size(config.attention_backend, config.block_size)
         if block_size != config.block_size:
             log.info("the %s backend needs KV blocks of %d tokens: block_size %d becomes %d",
@@ -80,7 +81,7 @@ class LLMEngine:
         self._num_steps = 0
         self._prefix_queries = self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = self._finished = 0
-        kernels = kernel_load()
+        kernels = None if loaded_before else kernel_load()
         self.startup = EngineStartup(0.0 if source else loaded - started, built - loaded,
                                      kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
                                      time.perf_counter() - started)

@@ -49,8 +49,9 @@ def grammar_spec(spec: StructuredOutput) -> str:
         if spec.choice is not None:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar or ""))
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise InvalidRequestError(f"the structured output spec is not valid: {exc}", "response_format") from exc
+    except Exception as exc:  # any failure to read a caller's spec (llguidance's converters raise their own types)
+        raise InvalidRequestError(f"the structured output spec is not valid: {str(exc):.500}", "response_format",
+                                  "invalid_grammar") from exc
 
 
 @functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)  # only valid specs are remembered: a raise is not cached

@@ -278,15 +278,19 @@ def test_overload_with_deadlines_is_refused_at_once_and_what_is_admitted_finishe
         [(status, seconds, _, _)] = asyncio.run(at_once(serve_app.base_url, 1))
         assert status == 200 and seconds < 1.5 * service_s + 2, (seconds, service_s)
 
-        # No engine replica answers (the only one is killed): /health says so, until a replacement is up.
+        # No engine replica answers (the only one is frozen, so Serve does not replace it within seconds, as it
+        # would a killed one): /health says so. Then it is killed, and Serve replaces it.
         [pid] = replica_pids(ENGINE).values()
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        with httpx.Client(base_url=serve_app.base_url, timeout=30) as http:
-            while (health := http.get("/health")).status_code == 200:
-                assert time.monotonic() < deadline, "/health stayed 200 with no engine replica"
-                time.sleep(0.5)
-        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            with httpx.Client(base_url=serve_app.base_url, timeout=30) as http:
+                while (health := http.get("/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "/health stayed 200 with no engine replica answering"
+                    time.sleep(0.5)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        finally:
+            os.kill(pid, signal.SIGKILL)
     finally:
         serve_app.redeploy(original)
     assert len(wait_for_replicas(serve_app, 2, 240)) == 2

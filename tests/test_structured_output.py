@@ -95,6 +95,7 @@ def test_bad_specs_are_refused_at_the_border(smollm2_path, smollm2):
     engine = make_engine(smollm2_path, smollm2, num_kv_blocks=16)
     for spec in (StructuredOutput(json="{not json"), StructuredOutput(json='{"type": "strange"}'),
                  StructuredOutput(regex="(unclosed"), StructuredOutput(grammar="start: ???"),
+                 StructuredOutput(grammar="\u00bcnj\x10\u00b9 KK"),  # not GBNF: its converter raises its own type
                  StructuredOutput(choice=()), StructuredOutput(json="{}", regex="a")):
         with pytest.raises(InvalidRequestError):
             engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=spec))
