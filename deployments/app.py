@@ -37,7 +37,7 @@ def build_app(args: AppArgs) -> Application:
         actor_options["num_gpus"] = args.engine_num_gpus
     # Autoscaled, `num_engine_replicas` is the count Serve starts with (initial_replicas).
     autoscaling = engine_autoscaling_config(args.autoscaling, args.num_engine_replicas)
-    engine_options = _placement(args, actor_options)
+    engine_options = _placement(args)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=None if autoscaling else args.num_engine_replicas, autoscaling_config=autoscaling,
         max_ongoing_requests=args.engine_max_ongoing_requests,
@@ -59,7 +59,7 @@ def build_app(args: AppArgs) -> Application:
     return ingress.bind(engine, args)
 
 
-def _placement(args: AppArgs, actor_options: dict[str, Any]) -> dict[str, Any]:
+def _placement(args: AppArgs) -> dict[str, Any]:
     """With tensor parallelism, one bundle per rank on one node (the replica itself runs in the first; its other
     ranks, Ray actors, in the others): Serve reserves and frees them with the replica, and autoscaling counts
     replicas."""

@@ -61,11 +61,11 @@ class EngineReplica:
         log_through_serve()
         config = args.engine_config()
         self.replica_id = replica_id()
+        self._exiting = False
         # Tensor parallelism: the other ranks run as actors in this replica's placement group.
         core = LLMEngine(config, ranks=RayRanks(self.replica_id, args.engine_num_cpus, args.engine_num_gpus)) \
             if config.tensor_parallel_size > 1 else None
         self.engine = AsyncEngine(config, core, on_death=self._exit_on_engine_death)
-        self._exiting = False
         self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
         core = self.engine.engine
