@@ -12,7 +12,8 @@ from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
 from deployments.router import request_router_config
-from engine.loader import check_model_source
+from engine.loader import check_model_source, read_model_args
+from engine.tp_layout import check_shardable
 
 # Generate runs on the engine replica's main event loop rather than a second one on its own thread: each
 # streamed chunk skips a thread hop, and the engine's step thread fights one fewer thread for the GIL (measured
@@ -66,6 +67,7 @@ def _placement(args: AppArgs) -> dict[str, Any]:
     size = args.engine_args().tensor_parallel_size
     if size == 1:
         return {}
+    check_shardable(read_model_args(args.model_path()), size)  # here, once, not in every replica Serve retries
     bundle = {"CPU": args.engine_num_cpus} | ({"GPU": args.engine_num_gpus} if args.engine_num_gpus else {})
     if not any(bundle.values()):
         raise ValueError("tensor_parallel_size > 1 needs engine_num_cpus or engine_num_gpus > 0: each rank is "

@@ -174,3 +174,12 @@ def test_a_rank_that_hangs_fails_the_step_within_the_collective_timeout(tmp_path
     finally:
         os.kill(pid, signal.SIGCONT)
         engine.close()
+
+
+def test_the_app_refuses_a_tensor_parallel_size_the_model_cannot_split_before_any_replica_starts(tmp_path):
+    from deployments.app import build_app
+    from deployments.config import AppArgs
+
+    write_tiny_model(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="exceeds the model's 4 attention heads"):
+        build_app(AppArgs(model=str(tmp_path), engine_num_cpus=1, engine={"tensor_parallel_size": 8}))
