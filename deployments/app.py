@@ -12,7 +12,8 @@ from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
 from deployments.router import request_router_config
-from engine.loader import check_model_source
+from engine.loader import check_model_source, read_model_args
+from engine.tp_layout import check_shardable
 
 # Generate runs on the engine replica's main event loop rather than a second one on its own thread: each
 # streamed chunk skips a thread hop, and the engine's step thread fights one fewer thread for the GIL (measured
@@ -37,12 +38,13 @@ def build_app(args: AppArgs) -> Application:
         actor_options["num_gpus"] = args.engine_num_gpus
     # Autoscaled, `num_engine_replicas` is the count Serve starts with (initial_replicas).
     autoscaling = engine_autoscaling_config(args.autoscaling, args.num_engine_replicas)
+    engine_options = _placement(args)
     engine = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=None if autoscaling else args.num_engine_replicas, autoscaling_config=autoscaling,
         max_ongoing_requests=args.engine_max_ongoing_requests,
         ray_actor_options=actor_options, health_check_period_s=5, graceful_shutdown_timeout_s=args.limits.drain_s,
         max_queued_requests=args.limits.engine_max_queued_requests,
-        request_router_config=request_router_config(args),
+        request_router_config=request_router_config(args), **engine_options,
     ).bind(args)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         autoscaling_config={"min_replicas": args.ingress_min_replicas, "max_replicas": args.ingress_max_replicas,
@@ -56,3 +58,18 @@ def build_app(args: AppArgs) -> Application:
         backpressure_config=BackpressureConfig(retry_after_s=args.limits.retry_after_s),
     )
     return ingress.bind(engine, args)
+
+
+def _placement(args: AppArgs) -> dict[str, Any]:
+    """With tensor parallelism, one bundle per rank on one node (the replica itself runs in the first; its other
+    ranks, Ray actors, in the others): Serve reserves and frees them with the replica, and autoscaling counts
+    replicas."""
+    size = args.engine_args().tensor_parallel_size
+    if size == 1:
+        return {}
+    check_shardable(read_model_args(args.model_path()), size)  # here, once, not in every replica Serve retries
+    bundle = {"CPU": args.engine_num_cpus} | ({"GPU": args.engine_num_gpus} if args.engine_num_gpus else {})
+    if not any(bundle.values()):
+        raise ValueError("tensor_parallel_size > 1 needs engine_num_cpus or engine_num_gpus > 0: each rank is "
+                         "placed in a bundle of its own")
+    return {"placement_group_bundles": [bundle] * size, "placement_group_strategy": "STRICT_PACK"}

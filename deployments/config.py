@@ -48,6 +48,12 @@ class EngineArgs(BaseModel):
                                           "weights, activations and the KV pool (sizes the pool)")
     enforce_eager: bool = Field(False, description="GPU only: no CUDA graphs for decode steps")
     prepack_weights: bool = True
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks (devices) one engine replica spans; each rank "
+                                      "gets engine_num_cpus / engine_num_gpus of its own, all on one node")
+    collective_timeout_s: float = Field(60.0, gt=0, description="tensor parallelism: how long a rank waits on the "
+                                        "others in a collective before the replica gives up")
+    shm_collectives: bool = Field(True, description="tensor parallelism on CPU: all-reduces through shared memory "
+                                  "(native kernel), not gloo")
     num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
     fair_share_prompt_weight: float = Field(1.0, ge=0, description="what a computed prompt token costs a tenant "
                                                                    "in the fair-share counters")

@@ -34,7 +34,8 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
 from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ModelInfo,
                                  ProfileResult, ReplicaStats, ReplicaSteps, RequestRejected)
-from engine import AsyncEngine, EngineOutput, InvalidRequestError
+from deployments.tp_ranks import RayRanks
+from engine import AsyncEngine, EngineOutput, InvalidRequestError, LLMEngine
 from engine.failures import FailureKind, RequestFailure
 from engine.outputs import SchedulerStats
 from engine.profiler import StepProfiler, write_chrome_trace
@@ -59,8 +60,12 @@ class EngineReplica:
         started = time.perf_counter()
         log_through_serve()
         config = args.engine_config()
-        self.engine = AsyncEngine(config, on_death=self._exit_on_engine_death)
         self.replica_id = replica_id()
+        self._exiting = False
+        # Tensor parallelism: the other ranks run as actors in this replica's placement group.
+        core = LLMEngine(config, ranks=RayRanks(self.replica_id, args.engine_num_cpus, args.engine_num_gpus)) \
+            if config.tensor_parallel_size > 1 else None
+        self.engine = AsyncEngine(config, core, on_death=self._exit_on_engine_death)
         self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
         core = self.engine.engine
@@ -258,12 +263,19 @@ class EngineReplica:
         return stats
 
     def check_health(self) -> None:
+        """Covers every tensor-parallel rank: an idle replica whose rank died exits too, so Serve replaces it."""
         if not self.engine.is_healthy:
-            raise RuntimeError(f"engine step loop is down: {self.engine.error!r}")
+            failure = self.engine.engine.rank_failure()
+            if failure is not None:
+                self._exit_on_engine_death(failure)
+            raise RuntimeError(f"engine is down: {self.engine.error or failure!r}")
 
     def _exit_on_engine_death(self, error: BaseException) -> None:
         """Called on the step thread when the engine's state is unknown: a replica that stayed up would keep being
         routed to (Serve's health check takes three failed periods to act), and its requests would all fail."""
+        if self._exiting:
+            return
+        self._exiting = True
         log.critical("engine replica %s exits in %.1fs: its engine died (%s)", self.replica_id, EXIT_GRACE_S,
                      type(error).__name__)
 

@@ -103,7 +103,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive() and self.engine.rank_failure() is None
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -151,7 +151,7 @@ class AsyncEngine:
         """Streams outputs until the request finishes; closing the iterator aborts the request. A request still
         waiting at `deadline` (time.time()) is dropped: its final output carries the failure."""
         if not self.is_healthy:
-            raise EngineDeadError("the engine step loop has stopped")
+            raise EngineDeadError(f"the engine step loop has stopped: {self.error or self.engine.rank_failure()!r}")
         request_id = request_id or uuid.uuid4().hex
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
         if not self.has_room(1, tenancy.tenant):
@@ -206,6 +206,8 @@ class AsyncEngine:
         self._stopped = True
         self._send(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _run(self) -> None:
         engine = self.engine

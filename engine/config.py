@@ -120,6 +120,12 @@ class EngineConfig:
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     num_threads: int | None = None
+    # Devices (ranks) one engine spans: Megatron-style tensor parallelism, rank 0 in this process.
+    tensor_parallel_size: int = 1
+    # Tensor parallelism: how long a rank waits on the others in a collective before the engine gives up.
+    collective_timeout_s: float = 60.0
+    # CPU tensor parallelism: all-reduces and the logits gather through shared memory (native kernel), not gloo.
+    shm_collectives: bool = True
     seed: int = 0
     step_history: int = 512  # recent SchedulerStats kept (metrics read them; the step trace shows them)
     record_request_events: bool = True  # each request's lifecycle events (RequestTimings.events)
@@ -135,6 +141,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
+        if self.tensor_parallel_size < 1 or self.collective_timeout_s <= 0:
+            raise ValueError(f"tensor_parallel_size must be >= 1 and collective_timeout_s > 0; got "
+                             f"{self.tensor_parallel_size} and {self.collective_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if not (self.fair_share_prompt_weight >= 0 and self.fair_share_output_weight >= 0):
@@ -144,3 +153,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype)
+
+    def model_len(self, args: ModelArgs) -> int:
+        """The context limit: max_model_len, capped at what the model's positions allow."""
+        limit = args.max_position_embeddings
+        return min(self.max_model_len or limit, limit)

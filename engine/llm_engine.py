@@ -17,10 +17,10 @@ import torch
 
 from engine.attention import effective_block_size
 from engine.backlog import MIN_FINISHED, Backlog, Job, OutputLengths, StepCostModel
-from engine.config import EngineConfig, ModelArgs, default_num_threads
+from engine.config import EngineConfig, ModelArgs
 from engine.failures import EngineFatalError, FailureKind, RequestFailure, leaves_state_unknown
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model_source, read_generation_eos
+from engine.loader import load_model_source, open_checkpoint, read_generation_eos
 from engine.model_runner import ModelRunner
 from engine.kernels import kernel_load
 from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
@@ -30,6 +30,9 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler, GrammarState, check_grammar
 from engine.tenancy import DEFAULT_TENANCY, FairShare, Tenancy
+from engine.tp_group import RankFailure, TensorParallelGroup, create_store
+from engine.tp_layout import check_shardable
+from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,10 @@ PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past
 
 class LLMEngine:
     def __init__(self, config: EngineConfig,
-                 source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None) -> None:
-        """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again."""
+                 source: tuple[ModelArgs, dict[str, torch.Tensor]] | None = None,
+                 ranks: RankLauncher | None = None) -> None:
+        """``source`` lets a caller that already read the checkpoint (ModelArgs, tensors) skip reading it again.
+        With ``tensor_parallel_size`` > 1, ``ranks`` starts the other ranks (default: local processes)."""
         started = time.perf_counter()
         loaded_before = kernel_load() is not None  # this process loaded the kernels already: not this engine's cost
         block_size = effective_block_size(config.attention_backend, config.block_size)
@@ -48,18 +53,20 @@ class LLMEngine:
                      config.attention_backend, block_size, config.block_size, block_size)
             config = dataclasses.replace(config, block_size=block_size)
         self.config = config
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.set_num_threads(rank_threads(config))
         torch.manual_seed(config.seed)
-        args, weights = source or load_model_source(config.model)
+        # Tensor parallelism reads the checkpoint lazily: each rank only its own slices.
+        args, weights = source or (open_checkpoint(config.model) if config.tensor_parallel_size > 1
+                                   else load_model_source(config.model))
         self.model_args = args
-        limit = args.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = config.model_len(args)
         self.eos_token_ids = tuple(dict.fromkeys(args.eos_token_ids + read_generation_eos(config.model)))
         # Structured output: the grammar's end is the model's first end-of-sequence token.
         self.grammars = GrammarCompiler(config.model, args.vocab_size, self.eos_token_ids[0]) \
             if self.eos_token_ids else None
         loaded = time.perf_counter()
-        self.runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars)
+        self.ranks: RankLauncher | None = None
+        self.runner = self._start_runner(config, args, weights, ranks)
         built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -81,9 +88,55 @@ class LLMEngine:
                                      kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
                                      time.perf_counter() - started)
         log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d torch threads, %d KV blocks "
-                 "of %d tokens, max context %d tokens, linears %s", args.architecture, config.dtype, config.device,
-                 self.runner.attention_backend, self.cuda_graphs, torch.get_num_threads(), self.runner.num_blocks,
-                 config.block_size, self.max_model_len, self.runner.linear_packing or "F.linear")
+                 "of %d tokens, max context %d tokens, linears %s, tensor parallel %d", args.architecture,
+                 config.dtype, config.device, self.runner.attention_backend, self.cuda_graphs,
+                 torch.get_num_threads(), self.runner.num_blocks, config.block_size, self.max_model_len,
+                 self.runner.linear_packing or "F.linear", config.tensor_parallel_size)
+
+    def _start_runner(self, config: EngineConfig, args: ModelArgs, weights, ranks: RankLauncher | None
+                      ) -> ModelRunner:
+        """This process's runner; with tensor parallelism, rank 0 of a group whose other ranks start here."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return ModelRunner(config, args, weights, self.max_model_len, self.grammars)
+        check_shardable(args, size)
+        self.ranks = ranks or LocalRanks()
+        store, rendezvous = create_store(size)
+        device = self.ranks.device(0, config)
+        group = TensorParallelGroup(0, size, store, torch.device(device), config.collective_timeout_s,
+                                config.shm_collectives)
+        self.ranks.start([RankSpec(config, r, rendezvous, self.ranks.device(r, config)) for r in range(1, size)])
+        try:
+            runner = ModelRunner(config, args, weights, self.max_model_len, self.grammars, group, device,
+                                 self.ranks.check)
+        except BaseException:
+            self.ranks.stop(timeout_s=0)
+            group.close()
+            raise
+        group.start_heartbeat(self.ranks.check)
+        return runner
+
+    def rank_failure(self) -> RankFailure | None:
+        """Why a tensor-parallel rank can no longer serve (it died, failed or stopped answering); None if all can."""
+        group = self.runner.group
+        if group is None or group.failure is not None or self.ranks is None:
+            return None if group is None else group.failure
+        try:
+            self.ranks.check()
+        except RankFailure as exc:
+            group.failure = exc
+        return group.failure
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do on one device)."""
+        group = self.runner.group
+        if group is None or self.ranks is None:
+            return
+        failed = self.rank_failure() is not None
+        group.stop_ranks()
+        group.close()
+        self.ranks.stop(timeout_s=0.0 if failed else 30.0)  # a failed rank may hang: end it at once
+        self.ranks = None
 
     @property
     def cuda_graphs(self) -> bool:

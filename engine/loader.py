@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,27 +67,93 @@ def check_model_source(path: str | Path) -> Path:
     return path
 
 
-def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """ModelArgs and fp32/bf16 tensors named as transformers names them."""
+class CheckpointTensor:
+    """One checkpoint tensor, read whole or as a slice along one dimension, only when asked: a tensor-parallel
+    rank reads its own rows or columns and never holds the whole model."""
+
+    def __init__(self, shape: tuple[int, ...], read: Callable[[int, int, int], torch.Tensor]) -> None:
+        self.shape = tuple(int(d) for d in shape)
+        self._read = read
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "CheckpointTensor":
+        return cls(tuple(tensor.shape), lambda dim, start, end: tensor.narrow(dim, start, end - start))
+
+    def read(self, dim: int = 0, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The tensor, or its [start, end) slice along `dim`."""
+        end = self.shape[dim] if end is None else end
+        return self._read(dim, start, end)
+
+
+def as_checkpoint(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, CheckpointTensor]]
+                  ) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Loaded tensors (a dict) or a lazy checkpoint, as (name, CheckpointTensor) pairs."""
+    if isinstance(weights, Mapping):
+        return ((name, CheckpointTensor.of(t)) for name, t in weights.items())
+    return iter(weights)
+
+
+def read_model_args(path: str | Path) -> ModelArgs:
+    path = check_model_source(path)
+    if is_gguf(path):
+        cached = _dequantized_path(path)
+        if cached.exists():
+            return _dequantized_args(cached)
+        from gguf import GGUFReader
+        return _gguf_args(GGUFReader(str(path)))
+    from transformers import AutoConfig
+    return ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def iter_checkpoint(path: str | Path, args: ModelArgs) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint, named as transformers names them, read lazily (CheckpointTensor)."""
+    path = check_model_source(path)
+    if is_gguf(path):
+        cached = _dequantized_path(path)
+        yield from _safetensors_file(cached) if cached.exists() else _gguf_tensors(path, args)
+        return
+    for f in sorted(path.glob("*.safetensors")):
+        yield from _safetensors_file(f)
+
+
+def _safetensors_file(f: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    from safetensors import safe_open
+
+    with safe_open(f, framework="pt") as handle:
+        for name in handle.keys():
+            yield name, _safetensors_tensor(handle.get_slice(name))
+
+
+def _safetensors_tensor(part: Any) -> CheckpointTensor:
+    def read(dim: int, start: int, end: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, end),)
+        return part[index]
+
+    return CheckpointTensor(tuple(part.get_shape()), read)
+
+
+def open_checkpoint(path: str | Path) -> tuple[ModelArgs, Iterator[tuple[str, CheckpointTensor]]]:
+    """ModelArgs and the checkpoint's tensors, lazily; logs the load's start and, once iterated, its end."""
     path = check_model_source(path)
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
     log.info("loading the model from %s (%.0f MB)", path, size / 2**20)
-    start = time.perf_counter()
-    args, weights = _load_gguf(path) if is_gguf(path) else _load_hf_folder(path)
-    log.info("loaded %d tensors of a %d-layer %s in %.1f s", len(weights), args.num_layers, args.architecture,
-             time.perf_counter() - start)
-    return args, weights
+    args = read_model_args(path)
+
+    def logged() -> Iterator[tuple[str, CheckpointTensor]]:
+        start, count = time.perf_counter(), 0
+        for item in iter_checkpoint(path, args):
+            count += 1
+            yield item
+        log.info("loaded %d tensors of a %d-layer %s in %.1f s", count, args.num_layers, args.architecture,
+                 time.perf_counter() - start)
+
+    return args, logged()
 
 
-def _load_hf_folder(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(f))
-    return args, weights
+def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """ModelArgs and fp32/bf16 tensors named as transformers names them, all read."""
+    args, tensors = open_checkpoint(path)
+    return args, {name: tensor.read() for name, tensor in tensors}
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -96,13 +163,7 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader, dequantize
-
-    cached = _dequantized_path(path)
-    if cached.exists():
-        return _load_dequantized(cached)
-    reader = GGUFReader(str(path))
+def _gguf_args(reader: Any) -> ModelArgs:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported")
@@ -117,7 +178,7 @@ def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         rope_scaling = {"rope_type": f("rope.scaling.type"), "factor": f("rope.scaling.factor"),
                         "original_max_position_embeddings": f("rope.scaling.original_context_length")}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    args = ModelArgs(
+    return ModelArgs(
         architecture="llama" if arch == "mistral" else arch, vocab_size=int(vocab), hidden_size=int(hidden),
         intermediate_size=int(f("feed_forward_length")), num_layers=int(f("block_count")),
         num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
@@ -127,16 +188,43 @@ def _load_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         rope_scaling=rope_scaling, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
-    weights = {}
-    for name, tensor in tensors.items():
-        array = dequantize(tensor.data, tensor.tensor_type)
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            # llama.cpp interleaves q/k rows for its RoPE; undo it for the neox-style rotation.
-            heads = args.num_heads if ".attn_q." in name else args.num_kv_heads
-            array = _unpermute_qk(array, heads)
-        weights[_hf_name(name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    _save_dequantized(args, weights, cached)
-    return args, weights
+
+
+def _gguf_tensors(path: Path, args: ModelArgs) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The GGUF file's tensors, dequantized when read; once every one was read whole (one device), they are kept
+    dequantized for the next start (a rank that reads slices keeps nothing: it never holds the whole model)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    whole: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        heads = None
+        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            # llama.cpp interleaves q/k rows for its RoPE; undone per head, so a slice of whole heads undoes alone.
+            heads = args.num_heads if ".attn_q." in tensor.name else args.num_kv_heads
+        yield _hf_name(tensor.name), _gguf_tensor(tensor, heads, _hf_name(tensor.name), whole)
+    if len(whole) == len(reader.tensors):
+        _save_dequantized(args, whole, _dequantized_path(path))
+
+
+def _gguf_tensor(tensor: Any, heads: int | None, name: str, whole: dict[str, torch.Tensor]) -> CheckpointTensor:
+    from gguf import dequantize
+
+    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dimensions innermost first
+
+    def read(dim: int, start: int, end: int) -> torch.Tensor:
+        # Quantised blocks run along a row: rows (dim 0) are dequantised alone, columns after the whole rows.
+        rows = (start, end) if dim == 0 else (0, shape[0])
+        array = dequantize(tensor.data[rows[0]:rows[1]], tensor.tensor_type)
+        if heads is not None:
+            array = _unpermute_qk(array, heads * (rows[1] - rows[0]) // shape[0])
+        out = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        if (start, end) == (0, shape[dim]):
+            whole[name] = out
+        return out if dim == 0 else out.narrow(dim, start, end - start)
+
+    return CheckpointTensor(shape, read)
 
 
 def _dequantized_path(path: Path) -> Path:
@@ -149,14 +237,13 @@ def _dequantized_path(path: Path) -> Path:
     return cache_dir() / "dequantized" / f"{path.stem}-{key.hexdigest()[:16]}.safetensors"
 
 
-def _load_dequantized(cached: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+def _dequantized_args(cached: Path) -> ModelArgs:
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     with safe_open(cached, framework="pt") as f:
         fields = json.loads(f.metadata()["model_args"])
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-    return ModelArgs(**fields), load_file(cached)
+    return ModelArgs(**fields)
 
 
 def _save_dequantized(args: ModelArgs, weights: dict[str, torch.Tensor], target: Path) -> None:

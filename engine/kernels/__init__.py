@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
-SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 

@@ -1,5 +1,12 @@
-"""The Llama family (Llama, SmolLM, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV cache."""
+"""The Llama family (Llama, SmolLM, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV cache.
+
+With tensor parallelism each rank builds the layers of its ShardLayout (engine/tp_layout.py): its heads, its share
+of the MLP and of the vocabulary, and all-reduces after o_proj, down_proj and the embedding; `group` is None on one
+device.
+"""
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -8,13 +15,17 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelArgs
 from engine.kernels import rotary_embedding_, silu_and_mul
+from engine.loader import CheckpointTensor, as_checkpoint
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.tp_group import TensorParallelGroup
+from engine.tp_layout import ShardLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, layout: ShardLayout, rope: RotaryEmbedding, backend: AttentionBackend,
+                 group: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size)
@@ -22,6 +33,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rope = rope
         self.backend = backend
+        self.group = group
         self.fused = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -39,33 +51,37 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not fused_rope:
             q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out)
+        out = self.o_proj(self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta))
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layout: ShardLayout, group: TensorParallelGroup | None) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size)
+        self.intermediate_size = layout.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, 2 * self.intermediate_size)
+        self.down_proj = Linear(self.intermediate_size, args.hidden_size)
+        self.group = group
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, layout: ShardLayout, rope: RotaryEmbedding, backend: AttentionBackend,
+                 group: TensorParallelGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, rope, backend)
+        self.self_attn = Attention(args, layout, rope, backend, group)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, layout, group)
 
     def forward(self, x, residual, positions, kv_cache, meta):
         if residual is None:
@@ -78,48 +94,67 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, dtype: torch.dtype, max_position: int) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, dtype: torch.dtype, max_position: int,
+                 layout: ShardLayout | None = None, group: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.args = args
+        self.layout = layout = layout or ShardLayout.full(args)
+        self.group = group
         rope = RotaryEmbedding(args.head_dim, max_position, args.rope_theta, args.rope_scaling, dtype)
-        # Weights arrive from the checkpoint: skip the random init.
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
-                                         _weight=torch.empty(args.vocab_size, args.hidden_size), _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(args, rope, backend) for _ in range(args.num_layers))
+        # Weights arrive from the checkpoint: skip the random init. Vocabulary rows past the model's are zeros.
+        rows = layout.vocab_rows
+        self.embed_tokens = nn.Embedding(rows, args.hidden_size, _weight=torch.zeros(rows, args.hidden_size),
+                                         _freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(args, layout, rope, backend, group) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        self.lm_head = Linear(args.hidden_size, rows)
         self.rope = rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, out_dtype=torch.float32)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: each rank looks up the ids it holds, zeros for the others; the sum is the lookup.
+        start, end = self.layout.vocab
+        held = (input_ids >= start) & (input_ids < end)
+        x = self.embed_tokens(torch.where(held, input_ids - start, 0))
+        return self.group.all_reduce(x.masked_fill_(~held.unsqueeze(-1), 0))
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Takes transformers' parameter names; fuses q/k/v and gate/up as it goes."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits over the whole vocabulary; with tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self.lm_head(hidden, out_dtype=torch.float32)
+        if self.group is None:
+            return logits
+        parts = self.group.gather(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :self.args.vocab_size]
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Takes transformers' parameter names; fuses q/k/v and gate/up, and reads only this rank's part of
+        each tensor."""
         params = dict(self.named_parameters())
         stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
-        for name, tensor in weights.items():
+        for name, tensor in as_checkpoint(weights):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             for part, (fused, shard) in stacked.items():
                 if f".{part}." in name:
                     target = name.replace(part, fused)
-                    self._load_shard(params[target], tensor, fused, shard)
+                    self._load_stacked(params[target], tensor, fused, shard)
                     loaded.add(target)
                     break
             else:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {self.args.architecture}")
-                params[name].data.copy_(tensor)
+                self._load_split(params[name], name, tensor)
                 loaded.add(name)
         if self.args.tie_word_embeddings or "lm_head.weight" not in loaded:
             self.lm_head.weight = self.embed_tokens.weight
@@ -128,14 +163,31 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, fused: str, shard: int) -> None:
+    def _load_stacked(self, param: nn.Parameter, tensor: CheckpointTensor, fused: str, shard: int) -> None:
+        """This rank's rows of q, k, v (its heads) or gate, up (its features), at their place in the fused one."""
+        layout, head_dim = self.layout, self.args.head_dim
         if fused == "qkv_proj":
-            q, kv = self.args.num_heads * self.args.head_dim, self.args.num_kv_heads * self.args.head_dim
-            sizes = [q, kv, kv]
+            ranges = [layout.q_heads, layout.kv_heads, layout.kv_heads]
+            ranges = [(a * head_dim, b * head_dim) for a, b in ranges]
         else:
-            sizes = [self.args.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        param.data[start:start + sizes[shard]].copy_(tensor)
+            ranges = [layout.intermediate] * 2
+        start, end = ranges[shard]
+        offset = sum(b - a for a, b in ranges[:shard])
+        param.data[offset:offset + end - start].copy_(tensor.read(0, start, end))
+
+    def _load_split(self, param: nn.Parameter, name: str, tensor: CheckpointTensor) -> None:
+        """Row-parallel inputs (o_proj, down_proj) by column, the vocabulary by row, the rest whole."""
+        head_dim = self.args.head_dim
+        if name.endswith("o_proj.weight"):
+            start, end = self.layout.q_heads
+            param.data.copy_(tensor.read(1, start * head_dim, end * head_dim))
+        elif name.endswith("down_proj.weight"):
+            param.data.copy_(tensor.read(1, *self.layout.intermediate))
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
+            start, end = self.layout.vocab
+            param.data[:end - start].copy_(tensor.read(0, start, end))
+        else:
+            param.data.copy_(tensor.read())
 
     def use_cpu_kernels(self) -> None:
         """Switch norms, RoPE and SiLU-and-mul to the native CPU kernels (engine.kernels)."""
