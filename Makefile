@@ -76,6 +76,11 @@ step-breakdown: install model
 	$(BIN)/python -m benchmarks.step_breakdown --model $(MODEL) --out results/step_breakdown.json $(BENCH_ARGS)
 
 # Prefix-aware router against Serve's default one (2 engine replicas, shared-prefix and Mooncake replay).
+# One tenant floods 4x past capacity, another trickles: the trickle's TTFT with fair share and with FCFS.
+.PHONY: bench-tenants
+bench-tenants: install model
+	$(BIN)/python -m benchmarks.bench_tenants --model $(MODEL) --out results/bench_tenants.json $(BENCH_TENANTS_ARGS)
+
 bench-router: install model
 	TOKENLINE_MODEL=$(MODEL) $(BIN)/python -m benchmarks.bench_router --model $(MODEL) --out results/bench_router.json \
 		$(BENCH_ARGS)

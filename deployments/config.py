@@ -55,6 +55,9 @@ class EngineArgs(BaseModel):
     shm_collectives: bool = Field(True, description="tensor parallelism on CPU: all-reduces through shared memory "
                                   "(native kernel), not gloo")
     num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
+    fair_share_prompt_weight: float = Field(1.0, ge=0, description="what a computed prompt token costs a tenant "
+                                                                   "in the fair-share counters")
+    fair_share_output_weight: float = Field(2.0, ge=0, description="what an output token costs a tenant")
     seed: int = 0
 
 

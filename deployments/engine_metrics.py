@@ -8,6 +8,8 @@ from engine.outputs import EngineStats, SchedulerStats
 from engine.request import RequestTimings
 from ray.util import metrics
 
+from deployments.tenants import ANONYMOUS
+
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0]
 TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,6 +93,14 @@ class EngineMetrics:
                                       "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        # By tenant name (never a key): what each tenant's finished requests (one per choice) cost.
+        self.tenant_requests = counter("tenant_requests", "Finished requests (choices) by tenant.", ("tenant",))
+        self.tenant_prompt_tokens = counter("tenant_prompt_tokens", "Prompt tokens of finished requests by tenant.",
+                                            ("tenant",))
+        self.tenant_cached_tokens = counter("tenant_cached_tokens", "Prompt tokens served from the prefix cache, "
+                                            "by tenant.", ("tenant",))
+        self.tenant_output_tokens = counter("tenant_output_tokens", "Output tokens of finished requests by tenant.",
+                                            ("tenant",))
         # Always 1; its labels say how the engine runs (as vLLM's cache_config_info).
         self.engine_info = metrics.Gauge("tokenline_engine_info", "How this engine replica runs: attention backend, "
                                          "device, dtype, CUDA graphs.", tag_keys=TAGS + ENGINE_INFO_TAGS)
@@ -139,6 +149,16 @@ class EngineMetrics:
         per_token = gap_s / num_tokens
         for _ in range(num_tokens):
             self.inter_token_latency.observe(per_token)
+
+    def record_tenant_usage(self, tenant: str, num_prompt_tokens: int, num_cached_tokens: int,
+                            num_output_tokens: int) -> None:
+        tags = {"tenant": tenant or ANONYMOUS}
+        self.tenant_requests.inc(tags=tags)
+        for counter, value in ((self.tenant_prompt_tokens, num_prompt_tokens),
+                               (self.tenant_cached_tokens, num_cached_tokens),
+                               (self.tenant_output_tokens, num_output_tokens)):
+            if value > 0:
+                counter.inc(value, tags=tags)
 
     def record_finished(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int,
                         timings: RequestTimings | None) -> None:

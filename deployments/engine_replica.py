@@ -127,7 +127,7 @@ class EngineReplica:
                 self.engine.validate(prompt, request.sampling, request.n)
         except InvalidRequestError as exc:
             return RequestRejected(str(exc), exc.param, exc.code)
-        if not self.engine.has_room(num_choices):
+        if not self.engine.has_room(num_choices, request.tenancy.tenant):
             limit = self.engine.engine.config.max_num_waiting
             return RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
                                    f"engine.max_num_waiting); retry shortly", code="server_overloaded", status=503,
@@ -154,7 +154,8 @@ class EngineReplica:
         last_token_time: float | None = None
         first_chunk_s: float | None = None
         async for out in self.engine.generate(prompt, params, f"{request.request_id}-{index}",
-                                              request.arrival_time or None, request.deadline):
+                                              request.arrival_time or None, request.deadline,
+                                              request.tenancy):
             if out.failure is not None:
                 self.metrics.record_finished("error", out.num_prompt_tokens, out.num_output_tokens, out.timings)
                 raise ChoiceFailed(out.failure)
@@ -168,6 +169,8 @@ class EngineReplica:
             if out.finished:
                 self.metrics.record_finished(out.finish_reason or "abort", out.num_prompt_tokens,
                                              out.num_output_tokens, out.timings)
+                self.metrics.record_tenant_usage(request.tenancy.tenant, out.num_prompt_tokens,
+                                                 out.num_cached_tokens, out.num_output_tokens)
                 if self.load is not None:
                     self.load.finished(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
             timeline = None

@@ -40,6 +40,8 @@ from deployments.records import EngineRequest, ModelInfo
 from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from deployments.timeline import ROUTING_NOTES, TimelineView
 from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
+from deployments.tenant_limits import TenantLimitsMiddleware, current_lease
+from deployments.tenants import Tenant
 from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
 from engine.sampling_params import InvalidRequestError, StructuredOutput
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 app = FastAPI(title="tokenline", docs_url=None, redoc_url=None)
 install_error_handlers(app)
+app.add_middleware(TenantLimitsMiddleware)  # innermost: tenants' limits once the server's own bounds passed
 app.add_middleware(RequestLimitsMiddleware)
 app.add_middleware(TimelineMiddleware)  # a request's timeline starts before the limits act on it
 app.add_middleware(HttpMetricsMiddleware)  # added last, so outermost: it counts what the limits refuse
@@ -141,8 +144,8 @@ class OpenAIIngress:
         info.limits.check_token_ids("tokens", body.tokens)
         return DetokenizeResponse(prompt=await self._off_loop(self.tokenizer.decode, body.tokens))
 
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
-    async def completions(self, body: CompletionRequest) -> Any:
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, tenant: Tenant = Depends(require_api_key)) -> Any:
         arrival = time.time()
         self._check_request(body)
         info = await self._model_info()
@@ -160,7 +163,7 @@ class OpenAIIngress:
                   for p, ids in zip(body.prompts(), prompts)] if body.echo else None
         prompt_logprobs = body.logprobs if body.echo and want_logprobs else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = await self._start(body, request_id, prompts, body.max_tokens, body.logprobs,
+        generation = await self._start(body, tenant, request_id, prompts, body.max_tokens, body.logprobs,
                                        COMPLETIONS_DEFAULT_MAX_TOKENS, arrival, prompt_logprobs=prompt_logprobs)
         if body.stream:
             return _sse(completion_stream(generation, request_id, self.model_name, echoes, body.n, self.tokens,
@@ -169,8 +172,8 @@ class OpenAIIngress:
                                              want_logprobs)
         return json_response(response, generation)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
-    async def chat(self, body: ChatCompletionRequest) -> Any:
+    @app.post("/v1/chat/completions")
+    async def chat(self, body: ChatCompletionRequest, tenant: Tenant = Depends(require_api_key)) -> Any:
         arrival = time.time()
         self._check_request(body)
         self._check_text_fits(sum(len(m.text()) for m in body.messages), await self._model_info())
@@ -182,7 +185,7 @@ class OpenAIIngress:
             raise OpenAIError(400, "tool_choice required or a named function cannot be combined with "
                                    "response_format or guided_* fields", "tool_choice")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await self._start(body, request_id, [prompt_ids], body.requested_max_tokens(),
+        generation = await self._start(body, tenant, request_id, [prompt_ids], body.requested_max_tokens(),
                                        body.requested_logprobs(), None, arrival, structured=forced)
         tool_parser = _tool_parser(choice, body.parallel_tool_calls)
         if body.stream:
@@ -239,7 +242,8 @@ class OpenAIIngress:
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def _start(self, body: SamplingFields, request_id: str, prompts: list[list[int]], max_tokens: int | None,
+    async def _start(self, body: SamplingFields, tenant: Tenant, request_id: str, prompts: list[list[int]],
+                     max_tokens: int | None,
                      logprobs: int | None, default_max_tokens: int | None, arrival: float,
                      prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> Generation:
         """Checks the request with the engine's limits, sends it (every prompt in one engine call) and waits for
@@ -256,8 +260,12 @@ class OpenAIIngress:
                 bounds.check(prompt, params, body.n)
         except InvalidRequestError as exc:
             raise OpenAIError.invalid(exc, body.field_name(exc.param)) from exc
+        lease = current_lease()
+        if lease is not None:  # counted as OpenAI counts: the prompt plus max_tokens for every choice
+            lease.take_tokens(sum(map(len, prompts)) + max_tokens * body.n * len(prompts))
         request = EngineRequest(request_id, prompts[0], params, body.n, arrival, limits.request_deadline(),
-                                more_prompt_token_ids=prompts[1:])
+                                more_prompt_token_ids=prompts[1:],
+                                tenancy=tenant.tenancy(body.priority, body.cache_salt))
         timeline.dispatching(request_id)
         try:
             generation = await self._send(request, body, timeline)

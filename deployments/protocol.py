@@ -80,6 +80,10 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # vLLM's: lower runs first (capped by the tenant's max_priority); blocks hash with the salt, so only requests
+    # with the same salt (and tenant) share cached prefixes.
+    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     # Engine fields this endpoint names otherwise, for errors: the client must recognise what to change.
     FIELD_NAMES: ClassVar[dict[str, str]] = {}

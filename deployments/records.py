@@ -7,6 +7,7 @@ from engine.outputs import EngineStartup, SchedulerStats
 from engine.request import TokenLogprobs
 from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 
 @dataclass
@@ -23,6 +24,7 @@ class EngineRequest:
     deadline: float | None = None  # time.time() past which nobody waits for the answer
     avoid_replicas: tuple[str, ...] = ()  # replicas that already failed this request: routed to last
     more_prompt_token_ids: list[list[int]] = field(default_factory=list)
+    tenancy: Tenancy = DEFAULT_TENANCY  # tenant, weight, priority, cache salt (the router hashes with the salt)
 
     @property
     def prompts(self) -> list[list[int]]:

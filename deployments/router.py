@@ -29,7 +29,7 @@ from deployments.routed_memory import RoutedPrefixMemory
 from deployments.router_config import RouterSettings
 from deployments.routing_policy import PromptProbes, ReplicaReport, make_candidate, rank
 from deployments.timeline import RoutingNote, note_routing
-from engine.hashing import hash_block_chain
+from engine.hashing import hash_block_chain, root_hash
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ class PrefixAwareRouter(RequestRouter):
         request = _engine_request(pending_request)
         if request is None:  # model_info, stats: no prompt, so load alone decides
             return PromptProbes([])
-        return PromptProbes(hash_block_chain(request.prompt_token_ids[:-1], self.settings.block_size))
+        # Salted as the engine salts them: a tenant's prompt matches only its own tenant's cached blocks.
+        return PromptProbes(hash_block_chain(request.prompt_token_ids[:-1], self.settings.block_size,
+                                             parent_hash=root_hash(request.tenancy.cache_salt)))
 
     def _note(self, pending_request: PendingRequest, replica: str, expected_cached_blocks: int) -> None:
         """The decision, for the request's timeline (read by the ingress in this same process).

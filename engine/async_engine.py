@@ -29,6 +29,7 @@ from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineOutput, EngineStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     deadline: float | None
+    tenancy: Tenancy = DEFAULT_TENANCY
 
 
 @dataclass
@@ -91,6 +93,7 @@ class AsyncEngine:
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
+        self._pending_tenants: dict[str, str] = {}  # their tenants, by request id
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -114,9 +117,16 @@ class AsyncEngine:
         """Raises InvalidRequestError for a request this engine cannot run (engine.request_limits)."""
         self.engine.validate(prompt_token_ids, params, n)
 
-    def has_room(self, num_requests: int = 1) -> bool:
+    def has_room(self, num_requests: int = 1, tenant: str | None = None) -> bool:
+        """Room in the waiting queue (`max_num_waiting`). When it is full, a tenant with nothing queued still gets
+        one request in: one tenant flooding the queue does not shut the others out."""
         limit = self.engine.config.max_num_waiting
-        return limit is None or self.num_waiting + num_requests <= limit
+        if limit is None or self.num_waiting + num_requests <= limit:
+            return True
+        if tenant is None or num_requests > 1 or self.engine.scheduler.waiting.count(tenant):
+            return False
+        with self._lock:
+            return tenant not in self._pending_tenants.values()
 
     def predicted_wait_s(self) -> float | None:
         """Seconds until a request accepted now could start, after what this engine holds and what it accepted
@@ -136,14 +146,15 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        arrival_time: float | None = None,
-                       deadline: float | None = None) -> AsyncIterator[EngineOutput]:
+                       deadline: float | None = None,
+                       tenancy: Tenancy = DEFAULT_TENANCY) -> AsyncIterator[EngineOutput]:
         """Streams outputs until the request finishes; closing the iterator aborts the request. A request still
         waiting at `deadline` (time.time()) is dropped: its final output carries the failure."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine step loop has stopped: {self.error or self.engine.rank_failure()!r}")
         request_id = request_id or uuid.uuid4().hex
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
-        if not self.has_room():
+        if not self.has_room(1, tenancy.tenant):
             raise EngineOverloadedError(f"{self.num_waiting} requests are already waiting "
                                         f"(max_num_waiting={self.engine.config.max_num_waiting})")
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
@@ -152,7 +163,8 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending[request_id] = self.engine.output_lengths.job_of_new(len(prompt_token_ids), params)
-        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline))
+            self._pending_tenants[request_id] = tenancy.tenant
+        self._send(_Add(request_id, list(prompt_token_ids), params, arrival_time or time.time(), deadline, tenancy))
         finished = False
         try:
             while not finished:
@@ -171,6 +183,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
                 self._pending.pop(request_id, None)
+                self._pending_tenants.pop(request_id, None)
             if not finished:
                 self._send(_Abort(request_id))
 
@@ -244,11 +257,13 @@ class AsyncEngine:
             with self._lock:
                 alive = message.request_id in self._streams
                 self._pending.pop(message.request_id, None)
+                self._pending_tenants.pop(message.request_id, None)
             if not alive:
                 continue  # its consumer left before the step loop saw it
             try:
                 self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                        message.arrival_time, message.deadline, validated=True)
+                                        message.arrival_time, message.deadline, validated=True,
+                                        tenancy=message.tenancy)
             except InvalidRequestError as exc:
                 self._deliver(message.request_id, exc)
             except Exception as exc:

@@ -129,6 +129,9 @@ class EngineConfig:
     seed: int = 0
     step_history: int = 512  # recent SchedulerStats kept (metrics read them; the step trace shows them)
     record_request_events: bool = True  # each request's lifecycle events (RequestTimings.events)
+    # Fair share between tenants (engine.tenancy): what one computed prompt token and one output token cost.
+    fair_share_prompt_weight: float = 1.0
+    fair_share_output_weight: float = 2.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -143,6 +146,8 @@ class EngineConfig:
                              f"{self.tensor_parallel_size} and {self.collective_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if not (self.fair_share_prompt_weight >= 0 and self.fair_share_output_weight >= 0):
+            raise ValueError("fair_share_prompt_weight and fair_share_output_weight must be >= 0")
         resolve_dtype(self.dtype)
 
     @property

@@ -17,6 +17,16 @@ BlockHash = int
 ROOT_HASH: BlockHash = int.from_bytes(hashlib.blake2b(b"tokenline-kv-root", digest_size=8).digest(), "little")
 
 
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """Where a prompt's chain starts: with a salt, no block matches a block hashed with another salt (or none)."""
+    if cache_salt is None:
+        return ROOT_HASH
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<Q", ROOT_HASH))
+    h.update(cache_salt.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
                       extra_keys: tuple | None = None) -> BlockHash:
     h = hashlib.blake2b(digest_size=8)

@@ -29,6 +29,7 @@ from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler, GrammarState, check_grammar
+from engine.tenancy import DEFAULT_TENANCY, FairShare, Tenancy
 from engine.tp_group import RankFailure, TensorParallelGroup, create_store
 from engine.tp_layout import check_shardable
 from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
@@ -69,7 +70,8 @@ class LLMEngine:
         built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
+                                   FairShare(config.fair_share_prompt_weight, config.fair_share_output_weight))
         self.requests: dict[str, Request] = {}
         self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.runner.num_blocks, config.block_size)
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)
@@ -152,15 +154,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, deadline: float | None = None,
-                    validated: bool = False) -> None:
+                    validated: bool = False, tenancy: Tenancy = DEFAULT_TENANCY) -> None:
         """`deadline` (time.time()): past it, the request is dropped if it still waits. `validated`: the caller
-        already ran `validate` on these very arguments (AsyncEngine does, before queueing)."""
+        already ran `validate` on these very arguments (AsyncEngine does, before queueing). `tenancy`: its
+        tenant, weight, priority and cache salt (engine.tenancy)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         if not validated:
             self.validate(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, self.config.block_size, self.eos_token_ids,
-                          arrival_time, record_events=self.config.record_request_events, deadline=deadline)
+                          arrival_time, record_events=self.config.record_request_events, deadline=deadline,
+                          tenancy=tenancy)
         if params.structured_output is not None:
             request.grammar = GrammarState(self.grammars.submit(params.structured_output))
         self.requests[request_id] = request

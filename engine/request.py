@@ -9,9 +9,10 @@ from typing import NamedTuple
 import torch
 
 from engine.failures import RequestFailure
-from engine.hashing import BlockHash, hash_block_chain
+from engine.hashing import BlockHash, hash_block_chain, root_hash
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarState
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,8 +94,11 @@ class TokenLogprobs:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  block_size: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 extra_keys: tuple | None = None, record_events: bool = True, deadline: float | None = None) -> None:
+                 extra_keys: tuple | None = None, record_events: bool = True, deadline: float | None = None,
+                 tenancy: Tenancy = DEFAULT_TENANCY) -> None:
         self.request_id = request_id
+        self.tenancy = tenancy
+        self.running_order = (tenancy.priority, 0)  # set by the scheduler at each admission
         self.deadline = deadline  # time.time() past which nobody waits for it any more
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -109,7 +113,9 @@ class Request:
         self.block_ids: list[int] = []
         self.block_size = block_size
         self.extra_keys = extra_keys
-        self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, extra_keys)
+        self.root_hash = root_hash(tenancy.cache_salt)
+        self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, extra_keys,
+                                                              self.root_hash)
         self.stop_ids = set(sampling_params.stop_token_ids)
         self.eos_token_ids = set(eos_token_ids)
         self.timings = RequestTimings(arrival=arrival_time if arrival_time is not None else time.time(),
@@ -147,7 +153,7 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
             self.block_hashes.extend(hash_block_chain(self.all_token_ids, self.block_size, self.extra_keys,
                                                       parent, start=len(self.block_hashes) * self.block_size))
 

@@ -2,16 +2,22 @@
 
 There is no prefill phase and no decode phase: each request catches up from ``num_computed_tokens`` to
 ``num_tokens`` under the step's token budget. A decode is a request one token behind.
+
+Order: waiting requests are admitted by priority (lower first), then by tenant fair share, then by arrival
+(engine.tenancy.WaitingQueue). `running` is kept in (priority, admission) order, so a request short of blocks
+preempts the lowest-priority, newest one first; a waiting request that outranks running ones takes their
+blocks and batch slots when it could not start otherwise.
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.failures import FailureKind, RequestFailure
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import EventKind, Request, RequestStatus
+from engine.tenancy import FairShare, WaitingQueue
 
 
 @dataclass
@@ -55,13 +61,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, fair: FairShare | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.fair = fair or FairShare()
+        self.waiting = WaitingQueue(self.fair)
+        self.running: list[Request] = []  # in (priority, admission) order: the last is preempted first
+        self._num_admitted = 0
         self.num_preemptions = 0
         self.last_output = SchedulerOutput()  # the step being scheduled, or the last one
 
@@ -79,13 +87,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.time()
         self._drop_expired(now, out)
+        self._preempt_for_priority(now, out)
+        if len(self.fair.counters) > 1:  # one tenant alone needs no share kept for others
+            self._preempt_for_fair_share(now, out)
 
         i = 0
+        short_of_blocks = False
         while i < len(self.running) and budget > 0:
             request = out.considering = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                # Out of blocks: preempt the newest running request (never one already scheduled this step).
+                # Out of blocks: preempt the lowest-priority, newest running request (never one already scheduled
+                # this step: those sit before i).
+                short_of_blocks = True
                 victim = self.running.pop()
                 self._preempt(victim, now)
                 out.preempted.append(victim)
@@ -96,35 +110,102 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Admitting new work while preempting would only thrash the pool.
-        skipped = 0  # requests at the head whose grammar still compiles: they keep their place, others go
-        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs \
-                and not out.preempted:
-            request = self.waiting[skipped]
-            if not request.ready:
-                skipped += 1
-                continue
-            out.considering = request
-            hits, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
-                break
-            del self.waiting[skipped]
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            if request.status == RequestStatus.PREEMPTED:
-                request.timings.resumptions.append(now)
-                request.timings.record(EventKind.RESUMED)
-            elif request.timings.first_scheduled is None:
-                request.timings.first_scheduled = now
-                request.timings.record(EventKind.SCHEDULED)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+        # Admitting new work while short of blocks would only thrash the pool.
+        deferred: list[Request] = []  # waiting on their grammar: they keep their place, others go meanwhile
+        try:
+            while budget > 0 and len(self.running) < self.max_num_seqs and not short_of_blocks:
+                request = self.waiting.peek()
+                if request is None:
+                    break
+                if not request.ready:
+                    self.waiting.remove(request)
+                    deferred.append(request)
+                    continue
+                out.considering = request
+                hits, num_cached = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request, num_new, hits):
+                    break
+                self.waiting.remove(request)
+                self._admit(request, num_cached, now)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        finally:
+            self.waiting.restore(deferred)
         out.considering = None
+        if len(self.fair.counters) > 1:  # one tenant alone needs no counter
+            self._charge(out)
         return out
+
+    def _admit(self, request: Request, num_cached: int, now: float) -> None:
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        if request.status == RequestStatus.PREEMPTED:
+            request.timings.resumptions.append(now)
+            request.timings.record(EventKind.RESUMED)
+        elif request.timings.first_scheduled is None:
+            request.timings.first_scheduled = now
+            request.timings.record(EventKind.SCHEDULED)
+        request.status = RequestStatus.RUNNING
+        self._num_admitted += 1
+        request.running_order = (request.tenancy.priority, self._num_admitted)
+        if not self.running or self.running[-1].running_order < request.running_order:
+            self.running.append(request)  # the common case, and the only one while every priority is equal
+        else:
+            bisect.insort(self.running, request, key=_running_order)
+
+    def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> None:
+        """The next waiting request outranks the last running one and lacks blocks or a batch slot: running
+        requests of lower priority give them up, lowest and newest first, until it has both."""
+        head = self.waiting.peek()
+        if head is None or not head.ready or not self.running \
+                or head.tenancy.priority >= self.running[-1].tenancy.priority:
+            return
+        needed = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        while self.running and self.running[-1].tenancy.priority > head.tenancy.priority and (
+                self.kv.pool.num_free_blocks < needed or len(self.running) >= self.max_num_seqs):
+            victim = self.running.pop()
+            self._preempt(victim, now)
+            out.preempted.append(victim)
+
+    def _preempt_for_fair_share(self, now: float, out: SchedulerOutput) -> None:
+        """The next waiting request's tenant has nothing running here and cannot start (slots or blocks taken):
+        the most-served tenant running two or more gives up its newest request of no higher priority, so every
+        tenant with work holds at least one slot (its blocks stay in the prefix cache for its return)."""
+        head = self.waiting.peek()
+        if head is None or not head.ready or not self.running:
+            return
+        needed = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        if len(self.running) < self.max_num_seqs and self.kv.pool.num_free_blocks >= needed:
+            return
+        running: dict[str, int] = {}
+        for request in self.running:
+            running[request.tenancy.tenant] = running.get(request.tenancy.tenant, 0) + 1
+        if head.tenancy.tenant in running:
+            return
+        crowded = [t for t, n in running.items() if n > 1]
+        if not crowded:
+            return
+        richest = max(crowded, key=self.fair.counter)
+        for victim in self.running[::-1]:  # a copy: victims leave the list
+            if running[richest] < 2 or (len(self.running) < self.max_num_seqs
+                                        and self.kv.pool.num_free_blocks >= needed):
+                return
+            if victim.tenancy.tenant == richest and victim.tenancy.priority >= head.tenancy.priority:
+                self.running.remove(victim)
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+                running[richest] -= 1
+
+    def _charge(self, out: SchedulerOutput) -> None:
+        """The step's tokens, to each tenant's virtual token counter."""
+        charge = self.fair.charge
+        for s in out.scheduled:
+            if s.is_decode:
+                charge(s.request.tenancy, 0, 1)
+            else:
+                charge(s.request.tenancy, s.num_new_tokens, 0)
 
     def _drop_expired(self, now: float, out: SchedulerOutput) -> None:
         """A waiting request whose deadline passed is finished before any prefill is spent on it."""
@@ -157,3 +238,7 @@ class Scheduler:
         request.timings.finished = time.time()
         request.timings.record(EventKind.FINISHED, int(status))
         self.kv.free(request, num_valid_tokens)
+
+
+def _running_order(request: Request) -> tuple[int, int]:
+    return request.running_order

@@ -148,3 +148,18 @@ def wait_for_replicas(serve_app, num_replicas: int, timeout_s: float, without: s
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine replicas {sorted(ids)}; wanted {num_replicas} without {sorted(without)}")
         time.sleep(1)
+
+
+def _set_max_num_seqs(replica_actor, max_num_seqs: int) -> int:
+    scheduler = _user_callable(replica_actor).engine.engine.scheduler
+    before, scheduler.max_num_seqs = scheduler.max_num_seqs, max_num_seqs
+    return before
+
+
+def set_engine_max_num_seqs(max_num_seqs: int, timeout_s: float = 30.0) -> dict[str, int]:
+    """Sets every engine replica's batch slots (a replica's capacity in requests at once) and returns what each
+    had: tests that need an engine past capacity get there with a few streams instead of hundreds."""
+    import ray
+
+    return {replica_id: ray.get(actor.__ray_call__.remote(_set_max_num_seqs, max_num_seqs), timeout=timeout_s)
+            for replica_id, actor in replica_actors(ENGINE).items()}

@@ -376,7 +376,8 @@ def test_dashboard_panels_are_well_formed_and_query_declared_tokenline_metrics()
                    "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket",
                    "generation_tokens_total", "kv_cache_usage_perc", "prefix_cache_hits_total",
                    "num_requests_waiting", "num_requests_running", "num_preemptions_total",
-                   "request_stage_seconds_bucket", "request_stage_seconds_sum"):
+                   "request_stage_seconds_bucket", "request_stage_seconds_sum", "tenant_prompt_tokens_total",
+                   "tenant_output_tokens_total", "tenant_cached_tokens_total", "tenant_requests_total"):
         assert f"ray_tokenline_{needed}" in used, f"the dashboard has no panel on ray_tokenline_{needed}"
     for needed in ("ray_serve_deployment_replica_healthy", "ray_serve_autoscaling_target_replicas"):
         assert needed in used, f"the dashboard has no panel on {needed}"
