@@ -82,6 +82,12 @@ class RandomWeights:
             t = torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32)
             yield name, ((1 + 0.1 * t) if len(shape) == 1 else t * self.std).to(self.dtype)
 
+    def __iter__(self) -> Iterator[tuple[str, "CheckpointTensor"]]:
+        """The engine's lazy-checkpoint form: (name, CheckpointTensor) pairs, still made one at a time."""
+        from engine.loader import CheckpointTensor
+
+        return ((name, CheckpointTensor.of(t)) for name, t in self.items())
+
 
 def random_source(args: ModelArgs, device: str, dtype: torch.dtype, seed: int = 0, std: float = 0.02):
     return args, RandomWeights(args, torch.device(device), dtype, seed, std)
