@@ -9,18 +9,14 @@ import pytest
 
 from engine import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, SamplingParams
 from engine.failures import EngineFatalError, FailureKind
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import tiny_llama_source
 
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from engine.loader import load_model_source
-
-    path = tmp_path_factory.mktemp("tiny-failures")
-    write_tiny_model(path, "llama")
-    return str(path), load_model_source(path)
+    return tiny_llama_source(tmp_path_factory.mktemp("tiny-failures"))
 
 
 def make_engine(tiny, **overrides) -> LLMEngine:

@@ -9,18 +9,14 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import RequestStatus
 from engine.tenancy import FairShare, Tenancy
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import tiny_llama_source
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
-    from engine.loader import load_model_source
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    write_tiny_model(path, "llama")
-    return str(path), load_model_source(path)
+    return tiny_llama_source(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture

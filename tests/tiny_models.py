@@ -43,3 +43,12 @@ def write_tiny_model(path: Path, family: str, seed: int = 0, **overrides):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return model.eval()
+
+
+def tiny_llama_source(path: Path) -> tuple[str, object]:
+    """A tiny random Llama written to `path` and read once: (its path, the (ModelArgs, tensors) engines take as
+    `source`), so a module's engines skip reading it again."""
+    from engine.loader import load_model_source
+
+    write_tiny_model(path, "llama")
+    return str(path), load_model_source(path)
