@@ -37,7 +37,7 @@ import numpy as np
 
 from autoscaling.capacity import SLO
 from autoscaling.report import Summary, summarize, table
-from autoscaling.serve_rules import DEFAULT_TARGET_ONGOING_REQUESTS, ServeAutoscalingConfig
+from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulate import parse_policy
 from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile

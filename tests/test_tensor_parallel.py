@@ -11,7 +11,6 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs
-from engine.kernels import cpu_kernels_available
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.tp_group import RankFailure
