@@ -34,6 +34,10 @@ from engine.hashing import hash_block_chain, root_hash
 log = logging.getLogger(__name__)
 
 MAX_REQUESTS_IN_FLIGHT = 4096  # a bound on this router's bookkeeping, far above any replica's queue
+# A request given a replica is sent within milliseconds; one still not accepted this long after is either counted by
+# Serve already (it increments its count on send) or was cancelled between being given a replica and being sent, a
+# path on which Serve never calls on_request_completed. Past this it no longer adds to the replica's load.
+UNSENT_GRACE_S = 10.0
 
 
 @dataclass
@@ -41,6 +45,11 @@ class InFlight:
     replica: str
     probes: PromptProbes
     future: asyncio.Future
+    chosen_at: float  # time.monotonic()
+    accepted: bool = False  # the replica took it: Serve's completion callback is registered and will fire
+
+    def counts(self, now: float) -> bool:
+        return self.accepted or not self.future.done() or now - self.chosen_at < UNSENT_GRACE_S
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -85,8 +94,12 @@ class PrefixAwareRouter(RequestRouter):
         return [[by_key[key]] for key in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Serve calls this once a replica accepted the request."""
         routed = self._in_flight.get(pending_request.metadata.internal_request_id)
-        if routed is not None and routed.replica != replica_id.unique_id:  # the first choice was full
+        if routed is None:
+            return
+        routed.accepted = True
+        if routed.replica != replica_id.unique_id:  # the first choice was full
             routed.replica = replica_id.unique_id
             self.memory.remember(routed.replica, routed.probes.block_hashes, time.time())
             self._note(pending_request, routed.replica, 0)
@@ -128,15 +141,19 @@ class PrefixAwareRouter(RequestRouter):
 
     def _track(self, pending_request: PendingRequest, replica: str, probes: PromptProbes) -> None:
         key = pending_request.metadata.internal_request_id
-        self._in_flight[key] = InFlight(replica, probes, pending_request.future)
+        self._in_flight[key] = InFlight(replica, probes, pending_request.future, time.monotonic())
         self._in_flight.move_to_end(key)
         while len(self._in_flight) > MAX_REQUESTS_IN_FLIGHT:
             self._in_flight.popitem(last=False)
 
     def _in_flight_by_replica(self) -> Counter[str]:
-        # A request cancelled while being routed never completes: its entry goes here instead.
-        for key in [k for k, routed in self._in_flight.items() if routed.future.cancelled()]:
-            del self._in_flight[key]
+        # A request cancelled while being routed, or after it was given a replica but before it was sent, never
+        # completes: its entry goes here instead (at once, or once its grace is over).
+        now = time.monotonic()
+        for key in [k for k, routed in self._in_flight.items() if routed.future.cancelled() or not routed.counts(now)]:
+            routed = self._in_flight.pop(key)
+            if not routed.future.cancelled():
+                log.info("request %s was given replica %s but never sent: no longer counted there", key, routed.replica)
         return Counter(routed.replica for routed in self._in_flight.values())
 
     def _live_load(self, replica: RunningReplica, in_flight: Counter[str]) -> int | None:

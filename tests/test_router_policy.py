@@ -197,3 +197,67 @@ def test_replica_report_round_trips_through_replica_stats():
     assert ReplicaReport.from_routing_stats({**stats, "backlog_s": 2.5}).backlog_s == 2.5
     assert ReplicaReport.from_routing_stats({}) is None
     assert ReplicaReport.from_routing_stats({"something": "else"}) is None
+
+
+# --- PrefixAwareRouter's own in-flight count, driven as Serve's router drives it ---------------------------------
+
+class _Replica:
+    """What choose_replicas reads of a Serve RunningReplica: its id and its last routing stats."""
+
+    def __init__(self, unique_id: str) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+        self.replica_id = ReplicaID(unique_id, DeploymentID(name="engine", app_name="tokenline"))
+        self.routing_stats: dict = {}
+
+
+def _router_and_replicas():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from deployments.router import PrefixAwareRouter
+    router = PrefixAwareRouter(DeploymentID(name="engine", app_name="tokenline"), DeploymentHandleSource.UNKNOWN,
+                               use_replica_queue_len_cache=True)
+    return router, [_Replica("a"), _Replica("b")]
+
+
+def _pending(i: int):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+    return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
+
+
+def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent(monkeypatch):
+    import asyncio
+
+    import deployments.router as router_module
+
+    async def scenario():
+        router, replicas = _router_and_replicas()
+        # Accepted by "a": counted until Serve reports it complete, however long that takes.
+        accepted = _pending(0)
+        first = (await router.choose_replicas(replicas, accepted))[0][0]
+        accepted.future.set_result(first)
+        router.on_request_routed(accepted, first.replica_id, None)
+        # Given a replica, then cancelled before it was sent: Serve never calls on_request_completed for it.
+        lost = _pending(1)
+        second = (await router.choose_replicas(replicas, lost))[0][0]
+        assert second.replica_id != first.replica_id  # the burst spreads: "a" already has one
+        lost.future.set_result(second)
+        assert router._in_flight_by_replica() == {first.replica_id.unique_id: 1, second.replica_id.unique_id: 1}
+        monkeypatch.setattr(router_module, "UNSENT_GRACE_S", 0.0)
+        assert router._in_flight_by_replica() == {first.replica_id.unique_id: 1}  # the lost one no longer counts
+        # With one request still running on the first replica, idle traffic goes to the other, every time.
+        for i in range(2, 8):
+            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
+            assert chosen.replica_id == second.replica_id
+            router.on_request_completed(chosen.replica_id, f"internal-{i}")
+        router.on_request_completed(first.replica_id, "internal-0")
+        assert router._in_flight_by_replica() == {}
+        # Nothing in flight anywhere: sequential requests reach both replicas.
+        served = set()
+        for i in range(8, 40):
+            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
+            served.add(chosen.replica_id.unique_id)
+            router.on_request_completed(chosen.replica_id, f"internal-{i}")
+        assert served == {"a", "b"}
+
+    asyncio.run(scenario())

@@ -95,7 +95,9 @@ def test_bad_combinations_get_4xx_and_every_replica_keeps_serving(serve_app):
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], (case.id, error)
             served_by.add(normal_request(http, i))
-    assert served_by == set(pids)  # both replicas answered between the bad requests
+    # Both replicas answered between the bad requests (if not: what each reported, to tell a stuck one from routing).
+    assert served_by == set(pids), [(s.replica_id, s.num_running, s.num_waiting, s.num_used_kv_blocks,
+                                     s.num_active_streams) for s in serve_app.engine_replica_stats()]
     assert replica_pids(ENGINE) == pids  # same replicas, same processes: none restarted
 
 
