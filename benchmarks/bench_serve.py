@@ -28,6 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.plot import plot_bars
+from loadtests.metrics import percentile
 from deployments.config import AppArgs, EngineArgs
 from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
@@ -71,13 +72,6 @@ class Report:
     ratios: dict[str, dict[int, float]] = field(default_factory=dict)  # serve tok/s over engine tok/s
     timeline_cost: dict[int, float] = field(default_factory=dict)  # 1 - mean tok/s on / mean tok/s off
     timeline_cpu_cost: dict[int, float] = field(default_factory=dict)  # mean CPU/token on / mean off - 1
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def summarize(path: str, concurrency: int, results: list[RequestResult | None], wall_s: float) -> LevelResult:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from loadtests.metrics import percentile
+
 log = logging.getLogger("bench_tenants")
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "river", "stone", "cloud", "maple"]
@@ -91,14 +93,10 @@ async def flood_and_trickle(base_url: str, model: str, flood_key: str, trickle_k
     return FloodRun(alone, trickle, flood)
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 def summary(name: str, run: FloodRun) -> dict:
     alone, trickle = statistics.median(run.alone_s), statistics.median(run.trickle_s)
     return {"mode": name, "trickle_alone_p50_ms": round(alone * 1000, 1),
-            "trickle_flood_p50_ms": round(trickle * 1000, 1), "trickle_flood_p90_ms": round(percentile(run.trickle_s, 90) * 1000, 1),
+            "trickle_flood_p50_ms": round(trickle * 1000, 1), "trickle_flood_p90_ms": round(percentile(run.trickle_s, 0.9) * 1000, 1),
             "ratio_p50": round(trickle / alone, 2), "flood_p50_ms": round(statistics.median(run.flood_s) * 1000, 1),
             "num_flood_requests": len(run.flood_s), "num_trickle_requests": len(run.trickle_s)}
 

@@ -106,7 +106,7 @@ class EngineMetrics:
                                          "device, dtype, CUDA graphs.", tag_keys=TAGS + ENGINE_INFO_TAGS)
         self.engine_info.set_default_tags(tags)
         self._info_tags: dict[str, str] | None = None
-        self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._last = EngineStats()
         self._last_step = 0
 
     def record_engine_info(self, attention_backend: str, device: str, dtype: str, cuda_graphs: bool) -> None:

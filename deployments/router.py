@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.config import AppArgs
+from deployments.lru import BoundedLRU
 from deployments.records import EngineRequest
 from deployments.routed_memory import RoutedPrefixMemory
 from deployments.router_config import RouterSettings
@@ -62,7 +63,7 @@ class PrefixAwareRouter(RequestRouter):
         self.settings = RouterSettings.model_validate(kwargs)
         self.memory = RoutedPrefixMemory(self.settings.routed_memory_s, self.settings.routed_memory_max_blocks)
         # Requests chosen for and not yet finished, by internal request id: this router's own in-flight count.
-        self._in_flight: OrderedDict[str, InFlight] = OrderedDict()
+        self._in_flight: BoundedLRU[str, InFlight] = BoundedLRU(MAX_REQUESTS_IN_FLIGHT)
         self._rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -141,10 +142,7 @@ class PrefixAwareRouter(RequestRouter):
 
     def _track(self, pending_request: PendingRequest, replica: str, probes: PromptProbes) -> None:
         key = pending_request.metadata.internal_request_id
-        self._in_flight[key] = InFlight(replica, probes, pending_request.future, time.monotonic())
-        self._in_flight.move_to_end(key)
-        while len(self._in_flight) > MAX_REQUESTS_IN_FLIGHT:
-            self._in_flight.popitem(last=False)
+        self._in_flight.put(key, InFlight(replica, probes, pending_request.future, time.monotonic()))
 
     def _in_flight_by_replica(self) -> Counter[str]:
         # A request cancelled while being routed, or after it was given a replica but before it was sent, never

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from deployments.lru import BoundedLRU
 from deployments.records import EngineTimeline
 from engine.request import EventKind, RequestStatus
 
@@ -59,16 +59,12 @@ class RoutingNotes:
     """
 
     def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._notes: OrderedDict[str, RoutingNote] = OrderedDict()
+        self._notes: BoundedLRU[str, RoutingNote] = BoundedLRU(capacity)
         self._lock = threading.Lock()
 
     def put(self, request_id: str, note: RoutingNote) -> None:
         with self._lock:
-            self._notes[request_id] = note
-            self._notes.move_to_end(request_id)
-            while len(self._notes) > self.capacity:
-                self._notes.popitem(last=False)
+            self._notes.put(request_id, note)
 
     def pop(self, request_id: str) -> RoutingNote | None:
         with self._lock:

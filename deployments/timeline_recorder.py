@@ -1,7 +1,8 @@
 """Timelines at the ingress: an ASGI middleware opens one per completion request, and on its last byte the
 recorder feeds the stage histograms and keeps the timeline in a bounded store for GET /v1/timelines/{id}.
 
-The middleware is outermost, so `arrived` is the first moment the ingress replica sees the request. Handlers reach
+The middleware sits just inside the HTTP metrics one and outside the request limits, so `arrived` is taken before
+any limit acts on the request. Handlers reach
 the request's timeline through a context variable (`current_timeline()`); outside a request, or with timelines
 off, they get TIMELINE_OFF, whose marks do nothing. The store is per ingress replica: with several, a GET may
 land on one that never saw the request and answer 404 (ask for the timeline inline to be sure of it).
@@ -9,7 +10,6 @@ land on one that never saw the request and answer 404 (ask for the timeline inli
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any
 
@@ -17,6 +17,7 @@ from ray.util import metrics
 
 from deployments.engine_metrics import TTFT_BUCKETS
 from deployments.errors import OpenAIError
+from deployments.lru import BoundedLRU
 from deployments.timeline import TIMELINE_OFF, RequestTimeline, TimelineOff, TimelineView
 from deployments.timeline_config import TimelineArgs
 
@@ -54,13 +55,10 @@ class TimelineStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._timelines: OrderedDict[str, RequestTimeline] = OrderedDict()
+        self._timelines: BoundedLRU[str, RequestTimeline] = BoundedLRU(capacity)
 
     def put(self, timeline: RequestTimeline) -> None:
-        self._timelines[timeline.request_id] = timeline
-        self._timelines.move_to_end(timeline.request_id)
-        while len(self._timelines) > self.capacity:
-            self._timelines.popitem(last=False)
+        self._timelines.put(timeline.request_id, timeline)
 
     def get(self, request_id: str) -> RequestTimeline | None:
         return self._timelines.get(request_id)
@@ -104,12 +102,6 @@ def configure(args: TimelineArgs, model_name: str) -> TimelineRecorder:
     return _recorder
 
 
-def recorder() -> TimelineRecorder:
-    if _recorder is None:
-        raise OpenAIError(503, "the ingress has not started its timeline recorder yet")
-    return _recorder
-
-
 def inline_view(timeline: RequestTimeline | TimelineOff) -> dict[str, Any] | None:
     """Marks the response ready; the timeline as JSON when the client asked for it inline, else None."""
     timeline.response_ready()
@@ -121,7 +113,7 @@ def _asks_for_timeline(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class TimelineMiddleware:
-    """Plain ASGI (streamed bodies pass through untouched); added last, so it is the outermost layer."""
+    """Plain ASGI (streamed bodies pass through untouched); inside HttpMetricsMiddleware, outside the limits."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

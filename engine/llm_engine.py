@@ -224,7 +224,6 @@ class LLMEngine:
             if s.is_decode:
                 request.timings.num_decode_steps += 1
             else:
-                request.timings.prefill_chunks.append((now, s.num_new_tokens))
                 request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
             request.num_computed_tokens += s.num_new_tokens
             if request.request_id not in sampled:

@@ -65,21 +65,21 @@ class SchedulerStats:
 
 @dataclass
 class EngineStats:
-    """Cumulative counters and the current gauges, for metrics and health."""
+    """Cumulative counters and the current gauges, for metrics and health; all zero before the engine reports."""
 
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    block_size: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_finished_requests: int
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    block_size: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished_requests: int = 0
 
 
 @dataclass(frozen=True)

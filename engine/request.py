@@ -67,9 +67,7 @@ class RequestTimings:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
-    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
     preemptions: list[float] = field(default_factory=list)
-    resumptions: list[float] = field(default_factory=list)
     events: list[RequestEvent] | None = None  # None: events are off for this engine
     num_decode_steps: int = 0
     num_dropped_events: int = 0

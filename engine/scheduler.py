@@ -51,10 +51,6 @@ class SchedulerOutput:
         return requests
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -142,7 +138,6 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
         if request.status == RequestStatus.PREEMPTED:
-            request.timings.resumptions.append(now)
             request.timings.record(EventKind.RESUMED)
         elif request.timings.first_scheduled is None:
             request.timings.first_scheduled = now

@@ -132,6 +132,11 @@ class MetricResult:
         return getattr(self, key)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (q in [0, 1]) by linear interpolation, as numpy and AIPerf; nan for no values."""
+    return float(np.quantile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
+
+
 def distribution(tag: str, values: Sequence[float]) -> MetricResult | None:
     """avg, min, max, sum, p1…p99 (linear interpolation, as numpy and AIPerf) and the population std."""
     if not values:

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from loadtests.client import StreamingClient
+from loadtests.metrics import percentile
 from loadtests.openai_api import EndpointConfig
 from loadtests.records import RequestRecord, RequestSpec
 
@@ -74,10 +75,8 @@ def error_kind(record: RequestRecord) -> str:
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": round(pick(0.50), 4), "p90": round(pick(0.90), 4), "p99": round(pick(0.99), 4),
-            "max": round(ordered[-1], 4)}
+    return {"p50": round(percentile(values, 0.50), 4), "p90": round(percentile(values, 0.90), 4),
+            "p99": round(percentile(values, 0.99), 4), "max": round(max(values), 4)}
 
 
 def make_specs(count: int, seed: int, max_tokens: int) -> list[RequestSpec]:
