@@ -1,12 +1,14 @@
 """The app's typed arguments: the same schema for `serve run deployments.app:build_app k=v`, the YAML and Python."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from deployments.auth import SecurityArgs
 from deployments.autoscaling_config import AutoscalingArgs
@@ -28,40 +30,54 @@ def served_name(model_path: str | Path) -> str:
     return QUANT_TAG.sub("", path.stem) or path.stem
 
 
-class EngineArgs(BaseModel):
-    """Engine knobs, named as in EngineConfig; unset ones take the engine's defaults."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_num_waiting: int | None = Field(256, ge=0, description="requests queued in the engine, not running yet; "
-                                                               "past it new ones get 503 (None: no bound)")
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "cpu", "triton", "flash-attn"] = "auto"
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only: share of the GPU's memory for "
-                                          "weights, activations and the KV pool (sizes the pool)")
-    enforce_eager: bool = Field(False, description="GPU only: no CUDA graphs for decode steps")
-    prepack_weights: bool = True
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks (devices) one engine replica spans; each rank "
-                                      "gets engine_num_cpus / engine_num_gpus of its own, all on one node")
-    collective_timeout_s: float = Field(60.0, gt=0, description="tensor parallelism: how long a rank waits on the "
-                                        "others in a collective before the replica gives up")
-    shm_collectives: bool = Field(True, description="tensor parallelism on CPU: all-reduces through shared memory "
-                                  "(native kernel), not gloo")
-    num_threads: int | None = Field(None, description="torch threads; default: the CPUs the replica was given")
-    fair_share_prompt_weight: float = Field(1.0, ge=0, description="what a computed prompt token costs a tenant "
-                                                                   "in the fair-share counters")
-    fair_share_output_weight: float = Field(2.0, ge=0, description="what an output token costs a tenant")
-    seed: int = 0
+# EngineConfig's fields that a deployment never sets by hand: AppArgs.engine_config derives them.
+DERIVED_ENGINE_FIELDS = frozenset({"model", "device", "step_history", "record_request_events", "extra"})
+# What the border adds to EngineConfig's own fields (their defaults live there): narrower types, bounds, help.
+_BORDER_TYPES: dict[str, Any] = {"dtype": Literal["bfloat16", "float32", "float16"],
+                                 "attention_backend": Literal["auto", "torch", "cpu", "triton", "flash-attn"]}
+_BORDER_FIELDS: dict[str, dict[str, Any]] = {
+    # A served engine bounds its queue by default; an engine used alone does not.
+    "max_num_waiting": dict(default=256, ge=0, description="requests queued in the engine, not running yet; past it "
+                                                           "new ones get 503 (None: no bound)"),
+    "gpu_memory_utilization": dict(gt=0, le=1, description="GPU only: share of the GPU's memory for weights, "
+                                                           "activations and the KV pool (sizes the pool)"),
+    "enforce_eager": dict(description="GPU only: no CUDA graphs for decode steps"),
+    "tensor_parallel_size": dict(ge=1, description="ranks (devices) one engine replica spans; each rank gets "
+                                                   "engine_num_cpus / engine_num_gpus of its own, all on one node"),
+    "collective_timeout_s": dict(gt=0, description="tensor parallelism: how long a rank waits on the others in a "
+                                                   "collective before the replica gives up"),
+    "shm_collectives": dict(description="tensor parallelism on CPU: all-reduces through shared memory (native "
+                                        "kernel), not gloo"),
+    "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
+    "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "
+                                                       "fair-share counters"),
+    "fair_share_output_weight": dict(ge=0, description="what an output token costs a tenant"),
+}
 
 
-class AppArgs(BaseModel):
+def _engine_args_fields() -> dict[str, Any]:
+    """EngineConfig's settable fields as pydantic fields, each default read from the dataclass."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in DERIVED_ENGINE_FIELDS:
+            border = {"default": f.default, **_BORDER_FIELDS.get(f.name, {})}
+            fields[f.name] = (_BORDER_TYPES.get(f.name, hints[f.name]), Field(**border))
+    return fields
+
+
+EngineArgs = create_model("EngineArgs", __config__=ConfigDict(extra="forbid"), __module__=__name__,
+                          __doc__="Engine knobs, named as in EngineConfig; unset ones take the engine's defaults.",
+                          **_engine_args_fields())
+
+# Engine knobs AppArgs also takes flat (`serve run ... dtype=float32`); set, they override `engine`.
+FLAT_ENGINE_FIELDS = ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")
+_FlatEngineArgs = create_model(
+    "_FlatEngineArgs", __config__=ConfigDict(extra="forbid"), __module__=__name__,
+    **{name: (EngineArgs.model_fields[name].annotation | None, None) for name in FLAT_ENGINE_FIELDS})
+
+
+class AppArgs(_FlatEngineArgs):
     """Everything `build_app` needs. Flat engine fields override `engine` so `serve run ... dtype=float32` works."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -89,10 +105,6 @@ class AppArgs(BaseModel):
     profiler_dir: str | None = Field(None, description="engine replicas write torch profiler traces here "
                                                        "(POST /start_profile, /stop_profile); None: profiling is off")
     limits: LimitsArgs = Field(default_factory=LimitsArgs)
-    dtype: Literal["bfloat16", "float32", "float16"] | None = None
-    num_kv_blocks: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
 
     def model_path(self) -> str:
         if self.model:
@@ -104,8 +116,7 @@ class AppArgs(BaseModel):
         return self.served_model_name or served_name(self.model_path())
 
     def engine_args(self) -> EngineArgs:
-        overrides = {name: getattr(self, name) for name in ("dtype", "num_kv_blocks", "max_num_seqs", "max_model_len")
-                     if getattr(self, name) is not None}
+        overrides = {name: getattr(self, name) for name in FLAT_ENGINE_FIELDS if getattr(self, name) is not None}
         return self.engine.model_copy(update=overrides)
 
     def router_settings(self) -> RouterSettings:
