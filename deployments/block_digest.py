@@ -19,7 +19,6 @@ import numpy as np
 
 from deployments.records import ReplicaStats
 from deployments.router_config import RouterArgs
-from engine.block_pool import BlockPool
 
 NUM_PROBES = 7  # optimal for ~10 bits per element: (ln 2) * 10
 _LOW32 = np.uint64(0xFFFFFFFF)
@@ -66,18 +65,8 @@ def longest_cached_prefix(digest: bytes, positions: np.ndarray) -> int:
     return len(present) if present.all() else int(np.argmin(present))
 
 
-def cached_block_hashes(pool: BlockPool) -> np.ndarray:
-    """Every hash the pool can serve a hit from, free-but-unevicted blocks included."""
-    for _ in range(5):
-        try:
-            # The step thread may insert while we copy; a C-level copy of int keys is one GIL hold.
-            return np.fromiter(list(pool.cached), dtype=np.uint64)
-        except RuntimeError:
-            continue
-    return np.zeros(0, dtype=np.uint64)
-
-
-def with_block_digest(stats: ReplicaStats, pool: BlockPool, block_size: int, num_bits: int) -> ReplicaStats:
-    """The replica's stats plus what the router needs to route by prefix: block size, a timestamp, the digest."""
+def with_block_digest(stats: ReplicaStats, block_hashes: np.ndarray, block_size: int, num_bits: int) -> ReplicaStats:
+    """The replica's stats plus what the router needs to route by prefix: block size, a timestamp, the digest of
+    `block_hashes` (the engine's cached ones, engine.block_pool.BlockPool.cached_hashes)."""
     return dataclasses.replace(stats, block_size=block_size, reported_at=time.time(),
-                               cached_block_digest=build_digest(cached_block_hashes(pool), num_bits))
+                               cached_block_digest=build_digest(block_hashes, num_bits))

@@ -32,12 +32,12 @@ from deployments.config import AppArgs
 from deployments.context import log_through_serve, replica_id
 from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
-from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ModelInfo,
-                                 ProfileResult, ReplicaStats, ReplicaSteps, RequestRejected)
+from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ProfileResult,
+                                 ReplicaStats, ReplicaSteps, RequestRejected)
 from deployments.tp_ranks import RayRanks
 from engine import AsyncEngine, EngineOutput, InvalidRequestError, LLMEngine
 from engine.failures import FailureKind, RequestFailure
-from engine.outputs import SchedulerStats
+from engine.outputs import ModelInfo
 from engine.profiler import StepProfiler, write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -68,21 +68,22 @@ class EngineReplica:
         self.engine = AsyncEngine(config, core, on_death=self._exit_on_engine_death)
         self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
-        core = self.engine.engine
-        self.metrics = EngineMetrics(args.model_name(), self.replica_id, core.max_model_len)
-        self.metrics.record_engine_info(core.runner.attention_backend, config.device, config.dtype, core.cuda_graphs)
+        info = self.engine.model_info()
+        self.metrics = EngineMetrics(args.model_name(), self.replica_id, info.limits.max_model_len)
+        self.metrics.record_engine_info(info.attention_backend, config.device, config.dtype, info.cuda_graphs)
         self._num_active_streams = 0
-        self._digest_bits = replica_digest_bits(args.router, self.engine.engine.runner.num_blocks)
+        self._digest_bits = replica_digest_bits(args.router, info.limits.num_kv_blocks)
+        self.engine.publish_block_hashes = self._digest_bits > 0
         self._stats_task = asyncio.create_task(self._record_stats_forever(args.stats_interval_s))
         self.timelines = args.timeline.enabled
         self.profiler_dir = Path(args.profiler_dir).expanduser() if args.profiler_dir else None
         self.profiler = StepProfiler(config.device)
         self.load = replica_load(args.autoscaling)  # the capacity and offered load the SLO policy reads
         self._cold_start = ColdStart(self.replica_id, psutil.Process().create_time(), time.time(),
-                                     time.perf_counter() - started, core.startup)
+                                     time.perf_counter() - started, self.engine.startup)
         log.info("engine replica %s ready: %s on %s, attention backend %s, CUDA graphs %s, %d torch threads; "
-                 "cold start %s", self.replica_id, config.model, config.device, core.runner.attention_backend,
-                 core.cuda_graphs, config.num_threads, self._cold_start)
+                 "cold start %s", self.replica_id, config.model, config.device, info.attention_backend,
+                 info.cuda_graphs, config.num_threads, self._cold_start)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
@@ -128,7 +129,7 @@ class EngineReplica:
         except InvalidRequestError as exc:
             return RequestRejected(str(exc), exc.param, exc.code)
         if not self.engine.has_room(num_choices, request.tenancy.tenant):
-            limit = self.engine.engine.config.max_num_waiting
+            limit = self.engine.config.max_num_waiting
             return RequestRejected(f"the engine replica's waiting queue is full ({limit} requests, "
                                    f"engine.max_num_waiting); retry shortly", code="server_overloaded", status=503,
                                    retry_after_s=self.retry_after_s)
@@ -197,7 +198,7 @@ class EngineReplica:
 
     async def step_trace(self, since: float) -> ReplicaSteps:
         """The engine steps that started at or after `since` (time.time()), from the bounded step ring."""
-        steps = [s for s in _snapshot(self.engine.engine.step_history) if s.time >= since]
+        steps = [s for s in self.engine.recent_steps() if s.time >= since]
         return ReplicaSteps(replica_id=self.replica_id, pid=os.getpid(),
                             node_id=ray.get_runtime_context().get_node_id(), now=time.time(), steps=steps)
 
@@ -223,10 +224,7 @@ class EngineReplica:
         return self._cold_start
 
     async def model_info(self) -> ModelInfo:
-        core = self.engine.engine
-        return ModelInfo(limits=core.limits, eos_token_ids=tuple(core.eos_token_ids),
-                         attention_backend=core.runner.attention_backend, device=core.config.device,
-                         cuda_graphs=core.cuda_graphs)
+        return self.engine.model_info()
 
     async def stats(self) -> ReplicaStats:
         return self._stats()
@@ -244,8 +242,8 @@ class EngineReplica:
         """Ray Serve's request-router hook, every routing-stats period: load, and a digest of the prefix cache."""
         stats = self._stats()
         if self._digest_bits:
-            core = self.engine.engine
-            stats = with_block_digest(stats, core.kv.pool, core.config.block_size, self._digest_bits)
+            stats = with_block_digest(stats, self.engine.cached_block_hashes(), self.engine.config.block_size,
+                                      self._digest_bits)
         return dataclasses.asdict(stats)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -253,7 +251,7 @@ class EngineReplica:
         averaged over the look-back window, per replica). Numbers only, as Serve requires."""
         s = self.engine.stats()
         now = time.time()
-        steps = _snapshot(self.engine.engine.step_history)
+        steps = self.engine.recent_steps()
         preempted = sum(step.num_preempted for step in steps if step.time >= now - PREEMPTION_WINDOW_S)
         stats = {"kv_usage": s.kv_usage, "num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
                  "preemptions_per_s": preempted / PREEMPTION_WINDOW_S, "num_kv_blocks": float(s.num_kv_blocks)}
@@ -265,7 +263,7 @@ class EngineReplica:
     def check_health(self) -> None:
         """Covers every tensor-parallel rank: an idle replica whose rank died exits too, so Serve replaces it."""
         if not self.engine.is_healthy:
-            failure = self.engine.engine.rank_failure()
+            failure = self.engine.rank_failure()
             if failure is not None:
                 self._exit_on_engine_death(failure)
             raise RuntimeError(f"engine is down: {self.engine.error or failure!r}")
@@ -290,7 +288,7 @@ class EngineReplica:
     async def _record_stats_forever(self, interval_s: float) -> None:
         while True:
             try:
-                self.metrics.record_engine(self.engine.stats(), _snapshot(self.engine.engine.step_history))
+                self.metrics.record_engine(self.engine.stats(), self.engine.recent_steps())
             except Exception:  # metrics must never take the replica down
                 log.exception("recording engine metrics failed")
             await asyncio.sleep(interval_s)
@@ -331,13 +329,4 @@ async def _merged(streams: list[AsyncIterator[GenerationChunk]]) -> AsyncIterato
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _snapshot(steps) -> list[SchedulerStats]:
-    for _ in range(5):
-        try:
-            return list(steps)
-        except RuntimeError:  # the step thread appended mid-copy
-            continue
-    return []
 

@@ -36,7 +36,7 @@ from deployments.openai_format import (Echo, StreamUsage, TokenText, ToolParserF
                                        completion_response, completion_stream, json_response)
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                                   SamplingFields, TokenizeRequest)
-from deployments.records import EngineRequest, ModelInfo
+from deployments.records import EngineRequest
 from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from deployments.timeline import ROUTING_NOTES, TimelineView
 from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
@@ -44,6 +44,7 @@ from deployments.tenant_limits import TenantLimitsMiddleware, current_lease
 from deployments.tenants import Tenant
 from deployments.timeline_recorder import TimelineMiddleware, current_timeline
 from engine.loader import load_tokenizer
+from engine.outputs import ModelInfo
 from engine.sampling_params import InvalidRequestError, StructuredOutput
 
 log = logging.getLogger(__name__)

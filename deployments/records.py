@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 
 from engine.outputs import EngineStartup, SchedulerStats
 from engine.request import TokenLogprobs
-from engine.request_limits import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
@@ -74,17 +73,6 @@ class RequestRejected:
     code: str | None = None
     status: int = 400
     retry_after_s: float | None = None
-
-
-@dataclass
-class ModelInfo:
-    """What the ingress must know about the engine to validate and frame requests."""
-
-    limits: RequestLimits
-    eos_token_ids: tuple[int, ...]
-    attention_backend: str = ""  # the backend the engine chose (auto resolved): torch, cpu, triton, flash-attn
-    device: str = ""
-    cuda_graphs: bool = False  # decode steps replay CUDA graphs
 
 
 @dataclass

@@ -23,13 +23,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.backlog import Job
 from engine.config import EngineConfig
 from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineOutput, EngineStats
+from engine.outputs import EngineOutput, EngineStartup, EngineStats, ModelInfo, SchedulerStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
+from engine.tp_group import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,14 @@ class AsyncEngine:
         was told."""
         self.engine = engine or LLMEngine(config)
         self._on_death = on_death
+        core = self.engine
+        self._model_info = ModelInfo(limits=core.limits, eos_token_ids=tuple(core.eos_token_ids),
+                                     attention_backend=core.runner.attention_backend, device=core.config.device,
+                                     cuda_graphs=core.cuda_graphs)
+        # Published by the step thread after each step, so other threads read them without touching its state.
+        self.publish_block_hashes = False  # set by a caller that reads cached_block_hashes()
+        self._recent_steps: tuple[SchedulerStats, ...] = ()
+        self._block_hashes = np.zeros(0, dtype=np.uint64)
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
@@ -107,6 +118,30 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration as it runs (a backend may have changed block_size)."""
+        return self.engine.config
+
+    @property
+    def startup(self) -> EngineStartup:
+        return self.engine.startup
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def recent_steps(self) -> list[SchedulerStats]:
+        """The last `step_history` steps, oldest first, as of the last step that ended."""
+        return list(self._recent_steps)
+
+    def cached_block_hashes(self) -> np.ndarray:
+        """The prefix cache's block hashes as of the last step that ended (empty unless publish_block_hashes)."""
+        return self._block_hashes
+
+    def rank_failure(self) -> RankFailure | None:
+        """Why a tensor-parallel rank can no longer serve; None if all can (or there is one device)."""
+        return self.engine.rank_failure()
 
     @property
     def num_waiting(self) -> int:
@@ -225,7 +260,9 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 busy_since_trim = True
-                for out in engine.step():
+                outputs = engine.step()
+                self._publish()  # before delivering: whoever reads a step's outputs sees what it left behind
+                for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the loop must tell every waiter, whatever killed it
             log.critical("engine step loop died; the engine's state is unknown", exc_info=exc)
@@ -236,6 +273,12 @@ class AsyncEngine:
                 self._deliver(request_id, EngineDeadError("the engine step loop died"))
             if self._on_death is not None:
                 self._on_death(exc)
+
+    def _publish(self) -> None:
+        """On the step thread, between steps: what other threads read (a tuple and an array, swapped whole)."""
+        self._recent_steps = tuple(self.engine.step_history)
+        if self.publish_block_hashes:
+            self._block_hashes = self.engine.kv.pool.cached_hashes()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.hashing import BlockHash
 
 
@@ -32,6 +34,10 @@ class BlockPool:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def cached_hashes(self) -> np.ndarray:
+        """Every hash the pool can serve a hit from, free-but-unevicted blocks included (uint64)."""
+        return np.fromiter(self.cached, dtype=np.uint64, count=len(self.cached))
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         block_id = self.cached.get(block_hash)

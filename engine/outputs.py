@@ -1,10 +1,11 @@
-"""Records the engine hands out: per-request outputs and per-step scheduler stats."""
+"""Records the engine hands out: per-request outputs, per-step scheduler stats, what the engine is."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.failures import RequestFailure
 from engine.request import RequestTimings, TokenLogprobs
+from engine.request_limits import RequestLimits
 
 
 @dataclass
@@ -92,3 +93,14 @@ class EngineStartup:
     kernels_s: float
     kernels_built: bool
     total_s: float
+
+
+@dataclass
+class ModelInfo:
+    """What the layers above must know about an engine to validate and frame requests; fixed once it started."""
+
+    limits: RequestLimits
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str = ""  # the backend the engine chose (auto resolved): torch, cpu, triton, flash-attn
+    device: str = ""
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs

@@ -132,3 +132,22 @@ def test_full_waiting_queue_refuses_new_requests_and_admits_again_once_it_drains
     finally:
         engine.shutdown()
     assert [len(t) for t, _ in done] == [200, 200, 200] and len(tokens) == 200
+
+
+def test_other_threads_read_the_steps_and_cached_blocks_the_step_thread_published(async_engine):
+    from engine.hashing import hash_block_chain
+
+    prompt = [21] * 40  # two full blocks of 16 tokens cached, the rest recomputed
+    before = async_engine.recent_steps()
+    async_engine.publish_block_hashes = True
+    try:
+        tokens, _ = asyncio.run(collect(async_engine, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    finally:
+        async_engine.publish_block_hashes = False
+    steps = async_engine.recent_steps()
+    assert len(tokens) == 3 and steps[-1].step > (before[-1].step if before else 0)
+    assert [s.step for s in steps] == sorted(s.step for s in steps)
+    block_size = async_engine.config.block_size
+    assert set(hash_block_chain(prompt, block_size)) <= set(async_engine.cached_block_hashes().tolist())
+    info = async_engine.model_info()
+    assert info.limits.num_kv_blocks == 256 and info.limits.block_size == block_size

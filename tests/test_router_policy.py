@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from deployments.block_digest import (build_digest, cached_block_hashes, digest_num_bits, longest_cached_prefix,
-                                      probe_positions, with_block_digest)
+from deployments.block_digest import (build_digest, digest_num_bits, longest_cached_prefix, probe_positions,
+                                      with_block_digest)
 from deployments.records import ReplicaStats
 from deployments.routed_memory import RoutedPrefixMemory
 from deployments.router_config import RouterSettings
@@ -162,7 +162,7 @@ def test_digest_finds_every_cached_prefix_and_stops_at_the_first_gap():
         for j, block_hash in enumerate(chain):
             pool.cached[block_hash] = i * 64 + j
     num_bits = digest_num_bits(4096, 10, 1 << 20)
-    digest = build_digest(cached_block_hashes(pool), num_bits)
+    digest = build_digest(pool.cached_hashes(), num_bits)
     assert len(digest) * 8 == num_bits == 65536
     assert all(longest_cached_prefix(digest, probe_positions(c, num_bits)) == 64 for c in chains[:30])
     # A block missing in the middle (evicted) ends the prefix there.
@@ -188,7 +188,7 @@ def test_replica_report_round_trips_through_replica_stats():
     base = ReplicaStats(replica_id="r", num_running=2, num_waiting=1, kv_usage=0.5, num_kv_blocks=64,
                         num_free_kv_blocks=32, num_used_kv_blocks=32, prefix_cache_queries=0, prefix_cache_hits=0,
                         num_preemptions=0, num_finished_requests=0, num_active_streams=2)
-    stats = dataclasses.asdict(with_block_digest(base, pool, BLOCK, digest_num_bits(64, 10, 1 << 20)))
+    stats = dataclasses.asdict(with_block_digest(base, pool.cached_hashes(), BLOCK, digest_num_bits(64, 10, 1 << 20)))
     assert ReplicaStats(**stats).num_running == 2  # the test fixture's reading of the same dict still works
     report = ReplicaReport.from_routing_stats(stats)
     assert report is not None and report.is_fresh(time.time(), 5.0)
