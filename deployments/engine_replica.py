@@ -180,10 +180,9 @@ class EngineReplica:
                 first_chunk_s = offset if first_chunk_s is None else first_chunk_s
                 if out.finished:
                     timeline = self._engine_timeline(out, entered, first_chunk_s, offset)
-            yield GenerationChunk(index=index, token_ids=out.new_token_ids, finished=out.finished,
-                                  finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                                  num_cached_tokens=out.num_cached_tokens, num_output_tokens=out.num_output_tokens,
-                                  logprobs=out.logprobs, timeline=timeline, prompt_logprobs=out.prompt_logprobs)
+            if out.timings is not None:  # the ingress reads them as `timeline`, or not at all
+                out = dataclasses.replace(out, timings=None)
+            yield GenerationChunk(index, out, timeline)
 
     def _engine_timeline(self, out: EngineOutput, entered: float, first_chunk_s: float,
                          end_s: float) -> EngineTimeline | None:
@@ -231,11 +230,8 @@ class EngineReplica:
 
     def _stats(self) -> ReplicaStats:
         s = self.engine.stats()
-        return ReplicaStats(replica_id=self.replica_id, num_running=s.num_running, num_waiting=s.num_waiting,
-                            kv_usage=s.kv_usage, num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
+        return ReplicaStats(**dataclasses.asdict(s), replica_id=self.replica_id,
                             num_used_kv_blocks=s.num_kv_blocks - s.num_free_kv_blocks,
-                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-                            num_preemptions=s.num_preemptions, num_finished_requests=s.num_finished_requests,
                             num_active_streams=self._num_active_streams, backlog_s=self.engine.predicted_wait_s())
 
     def record_routing_stats(self) -> dict[str, float | str | bytes]:
@@ -323,7 +319,7 @@ async def _merged(streams: list[AsyncIterator[GenerationChunk]]) -> AsyncIterato
             for item in batch:
                 if isinstance(item, Exception):
                     raise item
-            remaining -= sum(1 for chunk in batch if chunk.finished)
+            remaining -= sum(1 for chunk in batch if chunk.output.finished)
             yield batch
     finally:
         for task in tasks:

@@ -134,22 +134,22 @@ class Generation:
         return message
 
     def _advance(self, chunk: GenerationChunk) -> ChoiceDelta | None:
-        choice = self.choices[chunk.index]
-        choice.engine_finished = chunk.finished
+        choice, out = self.choices[chunk.index], chunk.output
+        choice.engine_finished = out.finished
         if chunk.timeline is not None:
             self.timeline.engine_finished(chunk.timeline)
         if choice.finish_reason is not None:
             return None  # a stop string already ended this choice
-        choice.num_cached_tokens = chunk.num_cached_tokens
-        step = choice.detokenizer.push(chunk.token_ids)
-        choice.token_ids.extend(chunk.token_ids[:step.num_tokens])
+        choice.num_cached_tokens = out.num_cached_tokens
+        step = choice.detokenizer.push(out.new_token_ids)
+        choice.token_ids.extend(out.new_token_ids[:step.num_tokens])
         choice.num_output_tokens += step.num_tokens
         text = step.text
         if step.stopped:
             choice.finish_reason = "stop"
-        elif chunk.finished:
-            choice.finish_reason = chunk.finish_reason or "stop"
+        elif out.finished:
+            choice.finish_reason = out.finish_reason or "stop"
             text += choice.detokenizer.flush()
-        return ChoiceDelta(chunk.index, text, chunk.logprobs[:step.num_tokens], choice.finish_reason,
-                           chunk.prompt_logprobs)
+        return ChoiceDelta(chunk.index, text, out.logprobs[:step.num_tokens], choice.finish_reason,
+                           out.prompt_logprobs)
 

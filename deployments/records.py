@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.outputs import EngineStartup, SchedulerStats
-from engine.request import TokenLogprobs
+from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
@@ -47,18 +46,12 @@ class EngineTimeline:
 
 @dataclass
 class GenerationChunk:
-    """New tokens of one choice since its previous chunk."""
+    """One choice's new tokens since its previous chunk: the engine's own output (without its timings, which the
+    replica turns into `timeline`), numbered by choice."""
 
     index: int
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    output: EngineOutput  # failure is always None: a failed choice ends the stream with a RequestRejected
     timeline: EngineTimeline | None = None  # on a choice's final chunk, when timelines are on
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # on the first chunk, when asked for
 
 
 @dataclass
@@ -76,25 +69,16 @@ class RequestRejected:
 
 
 @dataclass
-class ReplicaStats:
-    """One replica's engine gauges and counters, for health checks, routing and autoscaling."""
+class ReplicaStats(EngineStats):
+    """One replica's engine gauges and counters and what the replica adds, for health checks, routing and
+    autoscaling."""
 
-    replica_id: str
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_used_kv_blocks: int  # held by live requests; freed blocks kept for the prefix cache count as free
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_finished_requests: int
-    num_active_streams: int
+    replica_id: str = ""
+    num_used_kv_blocks: int = 0  # held by live requests; freed blocks kept for the prefix cache count as free
+    num_active_streams: int = 0
     backlog_s: float | None = None  # seconds to drain what it holds (engine.backlog); None: no estimate yet
     # Filled in for the request router only (deployments/block_digest.py): the replica's time.time() when read,
     # and a Bloom filter over the block hashes its prefix cache holds.
-    block_size: int = 0
     reported_at: float = 0.0
     cached_block_digest: bytes = b""
 
