@@ -178,7 +178,7 @@ class SimReplica:
         prefill = decodes = context = 0
         attention = 0.0
         for request, num_new in step.batch:
-            if num_new == 1 and request.computed >= request.spec.prompt_tokens:
+            if num_new == 1 and request.computed >= request.spec.prompt_tokens:  # engine ScheduledRequest.is_decode
                 decodes += 1
                 context += request.computed + 1
             else:

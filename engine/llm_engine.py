@@ -24,7 +24,7 @@ from engine.loader import load_model_source, open_checkpoint, read_generation_eo
 from engine.model_runner import ModelRunner
 from engine.kernels import kernel_load
 from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
-from engine.request import EventKind, Request, RequestStatus
+from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.request_limits import RequestLimits
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -184,16 +184,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
+        """Schedule, run the batch, update the requests from what it sampled, hand out their outputs."""
         start, t0 = time.time(), time.perf_counter()
         outputs = self._fail_broken_grammars()
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:
             return outputs + self._fail_batch(self.scheduler.last_output, {}, exc, "scheduling")
-        for request in sched.expired:
-            del self.requests[request.request_id]
-        outputs += [self._output(r, [], []) for r in sched.expired]
-        self._finished += len(sched.expired)
+        outputs += [self._finished_output(r) for r in sched.expired]
         if sched.is_empty:
             self._refresh_backlog()
             self._wait_for_grammars()
@@ -201,55 +199,37 @@ class LLMEngine:
         schedule_s = time.perf_counter() - t0
         # KV is computed up to here for each request; a failed step leaves nothing valid past it.
         computed = {s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
-        decodes = [s.is_decode for s in sched.scheduled]
+        decodes = [s.is_decode for s in sched.scheduled]  # read before the update moves the requests on
         try:
             for s in sched.scheduled:
                 if s.request.grammar is not None:
                     s.request.grammar.start(s.request.output_token_ids)
             self._raise_injected_fault(sched)
             sampled = self.runner.execute(sched.scheduled)
-            sampled_outputs = self._advance(sched, sampled)
+            advanced = self.scheduler.update_from_output(sched, sampled)
+            sampled_outputs = [self._sampled_output(r, token, logprobs) for r, token, logprobs in advanced]
         except Exception as exc:
             return outputs + self._fail_batch(sched, computed, exc, "running")
-        self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s,
-                          len(sampled_outputs))
+        self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s, advanced)
         return outputs + sampled_outputs
 
-    def _advance(self, sched: SchedulerOutput, sampled: dict) -> list[EngineOutput]:
-        """Moves each scheduled request past the tokens it computed and appends what it sampled."""
-        now = time.time()
-        outputs: list[EngineOutput] = []
-        for s in sched.scheduled:
-            request = s.request
-            if s.is_decode:
-                request.timings.num_decode_steps += 1
-            else:
-                request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
-            request.num_computed_tokens += s.num_new_tokens
-            if request.request_id not in sampled:
-                continue
-            token, logprobs = sampled[request.request_id]
-            request.append_output_token(token)
-            if request.grammar is not None:
-                request.grammar.accept(token)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            if request.timings.first_token is None:
-                request.timings.first_token = now
-                request.timings.record(EventKind.FIRST_TOKEN)
-                self._prompt_tokens += request.num_prompt_tokens
-            request.timings.last_token = now
-            status = request.check_stop(self.max_model_len)
-            if status is not None:
-                self.scheduler.finish(request, status)
-                del self.requests[request.request_id]
-                self.output_lengths.observe(request.num_output_tokens)
-            outputs.append(self._output(request, [token], [logprobs] if logprobs else []))
-        return outputs
+    def _sampled_output(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> EngineOutput:
+        if request.is_finished:
+            del self.requests[request.request_id]
+            self.output_lengths.observe(request.num_output_tokens)
+        return self._output(request, [token], [logprobs] if logprobs else [])
+
+    def _finished_output(self, request: Request) -> EngineOutput:
+        """The last output of a request the engine ended before it ran (its deadline passed, its grammar broke)."""
+        del self.requests[request.request_id]
+        self._finished += 1
+        return self._output(request, [], [])
 
     def _record_step(self, sched: SchedulerOutput, decodes: list[bool], computed: dict[str, int], start: float,
-                     duration_s: float, schedule_s: float, num_sampled: int) -> None:
-        """`computed`: each request's KV length before the step."""
+                     duration_s: float, schedule_s: float,
+                     advanced: list[tuple[Request, int, TokenLogprobs | None]]) -> None:
+        """The step's statistics: the engine's counters, the step cost model, the step ring. `computed`: each
+        request's KV length before the step."""
         decode_tokens = sum(decodes)
         prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
         # The context the decodes attend to, and the prefill's attention work (query x key tokens, millions).
@@ -257,7 +237,9 @@ class LLMEngine:
         attention = sum(s.num_new_tokens * (computed[s.request.request_id] + s.num_new_tokens / 2)
                         for s, d in zip(sched.scheduled, decodes) if not d) / 1e6
         finished = sum(1 for s in sched.scheduled if s.request.is_finished)
-        self._generation_tokens += num_sampled
+        # A request's prompt counts once, when its first token is sampled.
+        self._prompt_tokens += sum(r.num_prompt_tokens for r, _, _ in advanced if r.num_output_tokens == 1)
+        self._generation_tokens += len(advanced)
         self._finished += finished
         self._num_steps += 1
         prefix = self.kv.stats.reset()
@@ -374,9 +356,7 @@ class LLMEngine:
             request.failure = RequestFailure(FailureKind.INVALID_REQUEST,
                                              f"the structured output could not be compiled: {request.grammar.error:.500}",
                                              "invalid_grammar", "response_format")
-            del self.requests[request.request_id]
-            self._finished += 1
-            outputs.append(self._output(request, [], []))
+            outputs.append(self._finished_output(request))
         return outputs
 
     def _wait_for_grammars(self, timeout_s: float = 0.01) -> None:

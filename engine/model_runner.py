@@ -47,7 +47,9 @@ class ModelRunner(ModelShard):
     def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Runs the batch; returns the sampled token (and logprobs) of each request that samples."""
         t0 = time.perf_counter()
-        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        # Rows of one query token first, the attention kernels' decode shape: a 1-token prefill chunk is one too, so
+        # this is not ScheduledRequest.is_decode (a request past its prompt), which the step statistics count.
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         step = StepInputs.build(ordered)
         requests = [s.request for s in ordered if s.samples]
         # Built while the GPU runs nothing yet: its host-to-device copies then wait for no kernel.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.failures import FailureKind, RequestFailure
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import EventKind, Request, RequestStatus
+from engine.request import EventKind, Request, RequestStatus, TokenLogprobs
 from engine.tenancy import FairShare, WaitingQueue
 
 
@@ -221,6 +221,37 @@ class Scheduler:
         request.timings.record(EventKind.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]]
+                           ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+        """After the step ran: moves each scheduled request past the tokens it computed, appends what it sampled
+        and finishes those that met a stop. Returns each request that sampled, with its token and logprobs."""
+        now = time.time()
+        advanced = []
+        for s in out.scheduled:
+            request = s.request
+            if s.is_decode:
+                request.timings.num_decode_steps += 1
+            else:
+                request.timings.record(EventKind.PREFILL_CHUNK, s.num_new_tokens)
+            request.num_computed_tokens += s.num_new_tokens
+            if request.request_id not in sampled:
+                continue
+            token, logprobs = sampled[request.request_id]
+            request.append_output_token(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+                request.timings.record(EventKind.FIRST_TOKEN)
+            request.timings.last_token = now
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+            advanced.append((request, token, logprobs))
+        return advanced
 
     def finish(self, request: Request, status: RequestStatus, num_valid_tokens: int | None = None) -> None:
         """Free a request's blocks and drop it from whichever queue holds it. `num_valid_tokens`: only that many
