@@ -197,13 +197,15 @@ def join(t: RequestTimeline) -> TimelineView:
     def event(name: str, at: float, process: str = "ingress", **fields) -> None:
         events.append(Event(t_s=at - origin, event=name, process=process, **fields))
 
+    def ingress_mark(stage_name: str, event_name: str, at: float | None) -> None:
+        """An ingress stage that ends at a mark of its own, and the mark as an event (when it was reached)."""
+        if at is not None:
+            stage(stage_name, at)
+            event(event_name, at)
+
     end = t.last_byte or t.responded or t.last_chunk or time.monotonic()
-    if t.tokenized is not None:
-        stage("tokenize", t.tokenized)
-        event("tokenized", t.tokenized)
-    if t.sent is not None:
-        stage("dispatch", t.sent)
-        event("sent", t.sent)
+    ingress_mark("tokenize", "tokenized", t.tokenized)
+    ingress_mark("dispatch", "sent", t.sent)
     base = t.sent
     routing = t.routing
     if routing is not None and base is not None and base <= routing.at <= end:
@@ -220,12 +222,8 @@ def join(t: RequestTimeline) -> TimelineView:
         event("first_chunk", t.first_chunk)
     if t.last_chunk is not None:
         event("last_chunk", t.last_chunk)
-    if t.responded is not None:
-        stage("respond", t.responded)
-        event("responded", t.responded)
-    if t.last_byte is not None:
-        stage("send", t.last_byte)
-        event("last_byte", t.last_byte)
+    ingress_mark("respond", "responded", t.responded)
+    ingress_mark("send", "last_byte", t.last_byte)
     events.sort(key=lambda e: e.t_s)
     return TimelineView(
         request_id=t.request_id or "", arrival_time=t.arrival_time, total_s=cursor - origin,
