@@ -36,6 +36,8 @@ from engine.tp_group import RankFailure
 
 log = logging.getLogger(__name__)
 
+HASHES_PERIOD_S = 0.1  # how stale, at most, the published cached block hashes are while the engine is busy
+
 
 @dataclass
 class _Add:
@@ -101,6 +103,7 @@ class AsyncEngine:
         self.publish_block_hashes = False  # set by a caller that reads cached_block_hashes()
         self._recent_steps: tuple[SchedulerStats, ...] = ()
         self._block_hashes = np.zeros(0, dtype=np.uint64)
+        self._block_hashes_at = 0.0  # time.monotonic() of the last publish
         self._inbox: queue.Queue[_Add | _Abort | _Call | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: dict[str, Job] = {}  # accepted, not yet in the scheduler's queues
@@ -136,7 +139,8 @@ class AsyncEngine:
         return list(self._recent_steps)
 
     def cached_block_hashes(self) -> np.ndarray:
-        """The prefix cache's block hashes as of the last step that ended (empty unless publish_block_hashes)."""
+        """The prefix cache's block hashes as of a step at most HASHES_PERIOD_S old, or of the last step once idle
+        (empty unless publish_block_hashes)."""
         return self._block_hashes
 
     def rank_failure(self) -> RankFailure | None:
@@ -277,8 +281,14 @@ class AsyncEngine:
     def _publish(self) -> None:
         """On the step thread, between steps: what other threads read (a tuple and an array, swapped whole)."""
         self._recent_steps = tuple(self.engine.step_history)
-        if self.publish_block_hashes:
+        if not self.publish_block_hashes:
+            return
+        # Copying every cached hash costs tens of microseconds at a few thousand blocks, and readers look about
+        # once a second: while busy at most every HASHES_PERIOD_S, and always once the engine has gone idle.
+        now = time.monotonic()
+        if now - self._block_hashes_at >= HASHES_PERIOD_S or not self.engine.has_unfinished():
             self._block_hashes = self.engine.kv.pool.cached_hashes()
+            self._block_hashes_at = now
 
     def _drain_inbox(self) -> None:
         while True:
