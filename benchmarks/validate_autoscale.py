@@ -4,7 +4,9 @@ same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`
 The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes),
 with AppArgs' autoscaling delays. A first minute and a half of light load (one replica) calibrates: the replicas
 report how much slower than the recorded profile their steps run in the app (an ingress, a proxy and this client
-share the two cores with them, which the profile, measured on the engine alone, does not see). The workload is
+share the two cores with them, which the profile, measured on the engine alone, does not see), and the client's
+TTFT of those requests less the simulator's for them gives the serving path's own share of a TTFT (proxy, ingress,
+routing, the stream back: the simulator models the engine replicas only), added to every simulated one. The workload is
 then ten minutes of Poisson arrivals, quiet, then busy enough to need a second replica, then quiet again (rates
 set from the calibrated profile's capacity for the workload's request sizes), prompts of exact token counts with
 random tokens (no shared prefix), each asking for its own number of tokens with ignore_eos, streamed. Every
@@ -88,6 +90,8 @@ class RealRun:
     startup_s: list[float]  # each scale-out: asked for (a replica appears) -> running
     errors: int
     calibration: float  # the replicas' step correction after the calibrating load
+    calibration_requests: list[RequestSpec]  # the calibrating load, as sent
+    calibration_ttft_s: list[float | None]  # and its TTFTs at the client
 
 
 def scaled(profile: ReplicaProfile, correction: float) -> ReplicaProfile:
@@ -117,7 +121,8 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
         return [LoadSpec(i, p.text, p.num_tokens, s.output_tokens, send_offset_s=s.arrival_s)
                 for i, (p, s) in enumerate(zip(prompts, specs))]
 
-    calibrating = load_specs_of(workload(profile, config, seed + 1, CALIBRATION))
+    calibration_specs = workload(profile, config, seed + 1, CALIBRATION)
+    calibrating = load_specs_of(calibration_specs)
     app = local.start(args, num_cpus=2)
     samples: list[tuple[float, int, int]] = []  # (time, alive, running)
     corrections: list[float] = []
@@ -136,8 +141,8 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     try:
         endpoint = EndpointConfig(app.base_url, app.model, endpoint="completions", streaming=True, ignore_eos=True,
                                   extra_body={"temperature": 0.0})
-        asyncio.run(run_load(endpoint, LoadMode(trace=True), calibrating, RunLimits(max_requests=len(calibrating)),
-                             progress=False))
+        calibrated = asyncio.run(run_load(endpoint, LoadMode(trace=True), calibrating,
+                                          RunLimits(max_requests=len(calibrating)), progress=False))
         calibration = float(np.median(_step_corrections() or [1.0]))
         specs = workload(scaled(profile, calibration), config, seed)
         load_specs = load_specs_of(specs)
@@ -155,6 +160,15 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     finally:
         stop.set()
         app.stop()
+    sent, ttft, itl, errors = _measured(specs, load_specs, result, started)
+    calibration_sent, calibration_ttft, _, _ = _measured(calibration_specs, calibrating, calibrated, None)
+    return RealRun(sent, ttft, itl, [(t, alive) for t, alive, _ in samples], corrections, _startups(samples),
+                   errors, calibration, calibration_sent, calibration_ttft)
+
+
+def _measured(specs: list[RequestSpec], load_specs: list, result, started: float | None) -> tuple:
+    """Each request as sent (its arrival relative to `started`, or as planned when None), its TTFT and ITL at the
+    client (None when it failed), and the number that failed."""
     records = {r.index: r for r in result.profiling}
     ttft, itl, sent = [], [], []
     for spec, load_spec in zip(specs, load_specs):
@@ -164,10 +178,9 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
         ttft.append((record.chunk_perf_ns[0] - record.start_perf_ns) / 1e9 if ok else None)
         itl.append((record.chunk_perf_ns[-1] - record.chunk_perf_ns[0]) / 1e9 / (tokens - 1)
                    if ok and tokens and tokens > 1 else (0.0 if ok else None))
-        sent.append(dataclasses.replace(spec, prompt_tokens=load_spec.input_tokens,
-                                        arrival_s=(record.start_ns / 1e9 - started) if record else spec.arrival_s))
-    return RealRun(sent, ttft, itl, [(t, alive) for t, alive, _ in samples], corrections, _startups(samples),
-                   sum(1 for r in records.values() if not r.ok), calibration)
+        arrival = (record.start_ns / 1e9 - started) if record and started is not None else spec.arrival_s
+        sent.append(dataclasses.replace(spec, prompt_tokens=load_spec.input_tokens, arrival_s=arrival))
+    return sent, ttft, itl, sum(1 for r in records.values() if not r.ok)
 
 
 def _engine_states() -> dict[str, int]:
@@ -249,6 +262,28 @@ def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConf
     return result, summarize(result, config.slo, 0.0, end_s)
 
 
+def serving_overhead(run: RealRun, profile: ReplicaProfile, config: SLOConfig) -> float:
+    """What a client's TTFT holds beyond the engine's, measured before the run: the calibrating requests' TTFT at
+    the client less the simulator's for the same requests on the calibrated profile (median). The proxy, the
+    ingress (tokenizing, routing) and the stream back, which the simulator, a model of the engine replicas, leaves
+    out."""
+    end_s = sum(seconds for seconds, _ in CALIBRATION)
+    result, _ = simulated(run.calibration_requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    sim_ttft = {r.index: r.first_token_s - r.spec.arrival_s for r in result.requests if r.first_token_s is not None}
+    gaps = [real - sim_ttft[i] for i, real in enumerate(run.calibration_ttft_s) if real is not None and i in sim_ttft]
+    return float(np.median(gaps)) if gaps else 0.0
+
+
+def with_overhead(result: SimResult, overhead_s: float) -> SimResult:
+    """Every simulated token reaches the client `overhead_s` later (the ITL is unchanged)."""
+    def shifted(r):
+        if r.first_token_s is None:
+            return r
+        return dataclasses.replace(r, first_token_s=r.first_token_s + overhead_s,
+                                   last_token_s=r.last_token_s + overhead_s)
+    return dataclasses.replace(result, requests=[shifted(r) for r in result.requests])
+
+
 def compare(real: dict, sim: Summary, real_counts: np.ndarray, sim_counts: np.ndarray) -> dict:
     rel = lambda ours, theirs: abs(ours - theirs) / max(abs(theirs), 1e-9)  # noqa: E731
     errors = {"goodput": rel(sim.goodput_rps, real["goodput_rps"]),
@@ -277,15 +312,19 @@ def main() -> None:
     times = np.arange(0.0, end_s, 1.0)
     real_counts = replicas_at(run.replicas, times)
 
-    prior_result, prior = simulated(run.requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    overhead = serving_overhead(run, profile, config)
+    prior_result, _ = simulated(run.requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    prior = summarize(with_overhead(prior_result, overhead), config.slo, 0.0, end_s)
     measured_startup = float(np.mean(run.startup_s)) if run.startup_s else config.startup_s
     correction = float(np.median(run.corrections)) if run.corrections else run.calibration
-    post_result, post = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s)
+    post_result, _ = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s)
+    post = summarize(with_overhead(post_result, overhead), config.slo, 0.0, end_s)
     sim_counts = [replicas_at([(p.t, p.running + p.starting + p.draining) for p in r.timeline], times)
                   for r in (prior_result, post_result)]
     report = {"real": real, "a_priori": compare(real, prior, real_counts, sim_counts[0]),
               "a_posteriori": compare(real, post, real_counts, sim_counts[1]),
               "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,
+                           "serving_overhead_s": overhead,
                            "step_correction_median": correction,
                            "step_corrections": run.corrections, "load_average_before": load_before,
                            "load_average_after": load_after},
@@ -296,13 +335,14 @@ def main() -> None:
         errors = report[name]["relative_errors"]
         print(f"{name}: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items())
               + f" -> {'within' if report[name]['within_tolerance'] else 'NOT within'} {TOLERANCE:.0%}")
-    print(f"real: {real}; step correction {run.calibration:.2f} calibrated, {correction:.2f} in the run (median), "
+    print(f"real: {real}; serving path {overhead * 1000:.0f} ms of a TTFT (calibrated); "
+          f"step correction {run.calibration:.2f} calibrated, {correction:.2f} in the run (median), "
           f"start-ups {run.startup_s}, load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    _plot(times, real_counts, sim_counts, run, prior_result, config, out.with_suffix(".png"))
+    _plot(times, real_counts, sim_counts, run, with_overhead(prior_result, overhead), config, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
