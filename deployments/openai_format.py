@@ -42,8 +42,17 @@ class StreamUsage:
     continuous: bool = False
 
 
+# Characters JSON leaves raw in strings but `str.splitlines` (httpx's `aiter_lines`, many hand-written SSE readers)
+# treats as line ends: escaped, so one event is always one line. JSON-equivalent; SSE itself only splits on CR/LF.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(text: str) -> str:
+    return f"data: {text.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
+
+
 def sse(model: Any) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+    return sse_json(model.model_dump_json())
 
 
 def json_response(response: BaseModel, generation: Generation) -> JSONResponse:
@@ -260,5 +269,5 @@ async def _sse_events(generation: Generation, chunk: Callable[[ChoiceDelta], str
         pending += sse(internal_error().body)
     timeline = inline_view(generation.timeline)
     if timeline is not None:
-        pending += f"data: {json.dumps({**empty().model_dump(), 'timeline': timeline})}\n\n"
+        pending += sse_json(json.dumps({**empty().model_dump(), 'timeline': timeline}))
     yield pending + DONE
