@@ -236,7 +236,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, float | str | bytes]:
         """Ray Serve's request-router hook, every routing-stats period: load, and a digest of the prefix cache."""
-        stats = self._stats()
+        stats = dataclasses.replace(self._stats(), reported_at=time.time())
         if self._digest_bits:
             stats = with_block_digest(stats, self.engine.cached_block_hashes(), self.engine.config.block_size,
                                       self._digest_bits)

@@ -27,6 +27,7 @@ from deployments.admin import ProfileReply
 from deployments.auth import require_admin_key, require_api_key
 from deployments.chat_template import render_chat
 from deployments.config import AppArgs
+from deployments.context import log_through_serve
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation, ReplicaLost
@@ -85,6 +86,7 @@ def _tool_parser(choice: Any, parallel: bool) -> ToolParserFactory | None:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: AppArgs) -> None:
+        log_through_serve()  # this replica's own records, and its router's, reach the replica log
         self._engine = engine
         self._stream = engine.options(stream=True)  # configured once: each .options() builds a new handle
         self.model_name = args.model_name()

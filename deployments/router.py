@@ -39,6 +39,13 @@ MAX_REQUESTS_IN_FLIGHT = 4096  # a bound on this router's bookkeeping, far above
 # Serve already (it increments its count on send) or was cancelled between being given a replica and being sent, a
 # path on which Serve never calls on_request_completed. Past this it no longer adds to the replica's load.
 UNSENT_GRACE_S = 10.0
+# A request sent to a replica this long before one of its reports was inside it by then. When the report says the
+# replica held fewer requests than this router still counts there from before it, the oldest of those are gone (a
+# completion this router was never told of) and stop counting; and Serve's cached ongoing count for a replica this
+# router sent nothing to since the report, older than the report, is set to what it says. Serve's count otherwise
+# keeps +1 for each request cancelled between being sent and accepted until it goes stale (10 s), the replica
+# losing every tie at idle meanwhile.
+REPORT_SETTLE_S = 1.0
 
 
 @dataclass
@@ -46,11 +53,11 @@ class InFlight:
     replica: str
     probes: PromptProbes
     future: asyncio.Future
-    chosen_at: float  # time.monotonic()
-    accepted: bool = False  # the replica took it: Serve's completion callback is registered and will fire
+    chosen_at: float  # time.time()
+    accepted_at: float | None = None  # time.time() when the replica took it (Serve's completion callback is set)
 
     def counts(self, now: float) -> bool:
-        return self.accepted or not self.future.done() or now - self.chosen_at < UNSENT_GRACE_S
+        return self.accepted_at is not None or not self.future.done() or now - self.chosen_at < UNSENT_GRACE_S
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -64,6 +71,7 @@ class PrefixAwareRouter(RequestRouter):
         self.memory = RoutedPrefixMemory(self.settings.routed_memory_s, self.settings.routed_memory_max_blocks)
         # Requests chosen for and not yet finished, by internal request id: this router's own in-flight count.
         self._in_flight: BoundedLRU[str, InFlight] = BoundedLRU(MAX_REQUESTS_IN_FLIGHT)
+        self._last_chosen: dict[str, float] = {}  # time.time() this router last gave each replica a request
         self._rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -72,9 +80,12 @@ class PrefixAwareRouter(RequestRouter):
             return []
         probes = self._prompt_probes(pending_request)
         now = time.time()
-        in_flight = self._in_flight_by_replica()
+        reports = {r.replica_id.unique_id: ReplicaReport.from_routing_stats(r.routing_stats)
+                   for r in candidate_replicas}
+        in_flight = self._in_flight_by_replica(reports, now)
+        self._refresh_serve_counts(candidate_replicas, reports, now)
         candidates = [
-            make_candidate(r.replica_id.unique_id, ReplicaReport.from_routing_stats(r.routing_stats),
+            make_candidate(r.replica_id.unique_id, reports[r.replica_id.unique_id],
                            self._live_load(r, in_flight), probes,
                            self.memory.longest_prefix(r.replica_id.unique_id, probes.block_hashes, now),
                            now, self.settings)
@@ -99,9 +110,10 @@ class PrefixAwareRouter(RequestRouter):
         routed = self._in_flight.get(pending_request.metadata.internal_request_id)
         if routed is None:
             return
-        routed.accepted = True
+        routed.accepted_at = time.time()
         if routed.replica != replica_id.unique_id:  # the first choice was full
             routed.replica = replica_id.unique_id
+            self._last_chosen[routed.replica] = time.time()
             self.memory.remember(routed.replica, routed.probes.block_hashes, time.time())
             self._note(pending_request, routed.replica, 0)
 
@@ -111,6 +123,8 @@ class PrefixAwareRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.memory.keep_only(r.replica_id.unique_id for r in replicas)
+        current = {r.replica_id.unique_id for r in replicas}
+        self._last_chosen = {k: t for k, t in self._last_chosen.items() if k in current}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -142,17 +156,52 @@ class PrefixAwareRouter(RequestRouter):
 
     def _track(self, pending_request: PendingRequest, replica: str, probes: PromptProbes) -> None:
         key = pending_request.metadata.internal_request_id
-        self._in_flight.put(key, InFlight(replica, probes, pending_request.future, time.monotonic()))
+        self._in_flight.put(key, InFlight(replica, probes, pending_request.future, time.time()))
+        self._last_chosen[replica] = time.time()
 
-    def _in_flight_by_replica(self) -> Counter[str]:
+    def _in_flight_by_replica(self, reports: dict[str, ReplicaReport | None], now: float) -> Counter[str]:
         # A request cancelled while being routed, or after it was given a replica but before it was sent, never
         # completes: its entry goes here instead (at once, or once its grace is over).
-        now = time.monotonic()
         for key in [k for k, routed in self._in_flight.items() if routed.future.cancelled() or not routed.counts(now)]:
             routed = self._in_flight.pop(key)
             if not routed.future.cancelled():
                 log.info("request %s was given replica %s but never sent: no longer counted there", key, routed.replica)
+        self._forget_what_reports_disprove(reports, now)
         return Counter(routed.replica for routed in self._in_flight.values())
+
+    def _forget_what_reports_disprove(self, reports: dict[str, ReplicaReport | None], now: float) -> None:
+        """Requests sent that a replica's fresh report cannot still hold (see REPORT_SETTLE_S) stop counting."""
+        settled: dict[str, list[tuple[float, str]]] = {}
+        for key, routed in self._in_flight.items():
+            report = reports.get(routed.replica)
+            sent_at = routed.accepted_at or (routed.chosen_at if routed.future.done() else None)
+            if (report is not None and sent_at is not None and report.is_fresh(now, self.settings.stale_after_s)
+                    and sent_at < report.reported_at - REPORT_SETTLE_S):
+                settled.setdefault(routed.replica, []).append((sent_at, key))
+        for replica, entries in settled.items():
+            gone = [key for _, key in sorted(entries)[:max(len(entries) - reports[replica].num_held, 0)]]
+            for key in gone:
+                self._in_flight.pop(key)
+            if gone:
+                log.info("replica %s reported holding %d requests; %d this router still counted there had ended "
+                         "unreported: no longer counted", replica, reports[replica].num_held, len(gone))
+
+    def _refresh_serve_counts(self, replicas: list[RunningReplica], reports: dict[str, ReplicaReport | None],
+                              now: float) -> None:
+        """Serve's cached count of a replica's ongoing requests is refreshed only by sending to it; a fresh report
+        newer than this router's last send there is newer information (see REPORT_SETTLE_S)."""
+        for replica in replicas:
+            key = replica.replica_id.unique_id
+            report = reports.get(key)
+            if report is None or not report.is_fresh(now, self.settings.stale_after_s):
+                continue
+            if report.reported_at - REPORT_SETTLE_S <= self._last_chosen.get(key, 0.0):
+                continue
+            serve_count = self.replica_queue_len_cache.get(replica.replica_id)
+            if serve_count is not None and serve_count > report.num_held:
+                log.info("replica %s reported holding %d requests; Serve's count of %d predates it: corrected",
+                         key, report.num_held, serve_count)
+                self.on_new_queue_len_info(replica.replica_id, report.num_held)
 
     def _live_load(self, replica: RunningReplica, in_flight: Counter[str]) -> int | None:
         """Serve's count of the replica's ongoing requests (every router's, refreshed on each send), or this

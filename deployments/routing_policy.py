@@ -33,6 +33,7 @@ class ReplicaReport:
     reported_at: float
     cached_block_digest: bytes
     backlog_s: float | None = None  # None: the replica cannot estimate it yet
+    num_active_streams: int = 0  # generate calls inside the replica: every request it holds, queued or not
 
     @classmethod
     def from_routing_stats(cls, stats: Mapping[str, Any] | None) -> "ReplicaReport | None":
@@ -43,12 +44,18 @@ class ReplicaReport:
             backlog = stats.get("backlog_s")
             return cls(int(stats["num_running"]), int(stats["num_waiting"]), float(stats["kv_usage"]),
                        int(stats.get("block_size", 0)), float(stats.get("reported_at", 0.0)),
-                       bytes(stats.get("cached_block_digest", b"")), None if backlog is None else float(backlog))
+                       bytes(stats.get("cached_block_digest", b"")), None if backlog is None else float(backlog),
+                       int(stats.get("num_active_streams", 0)))
         except (KeyError, TypeError, ValueError):
             return None
 
     def is_fresh(self, now: float, stale_after_s: float) -> bool:
         return now - self.reported_at <= stale_after_s
+
+    @property
+    def num_held(self) -> int:
+        """Requests the replica held when it reported: an upper bound on those sent to it earlier still there."""
+        return max(self.num_running + self.num_waiting, self.num_active_streams)
 
 
 @dataclass(frozen=True)

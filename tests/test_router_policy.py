@@ -225,7 +225,7 @@ def _pending(i: int):
     return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
 
 
-def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent(monkeypatch):
+def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent():
     import asyncio
 
     import deployments.router as router_module
@@ -242,22 +242,101 @@ def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent(m
         second = (await router.choose_replicas(replicas, lost))[0][0]
         assert second.replica_id != first.replica_id  # the burst spreads: "a" already has one
         lost.future.set_result(second)
-        assert router._in_flight_by_replica() == {first.replica_id.unique_id: 1, second.replica_id.unique_id: 1}
-        monkeypatch.setattr(router_module, "UNSENT_GRACE_S", 0.0)
-        assert router._in_flight_by_replica() == {first.replica_id.unique_id: 1}  # the lost one no longer counts
+        assert router._in_flight_by_replica({}, time.time()) == {first.replica_id.unique_id: 1, second.replica_id.unique_id: 1}
+        for routed in router._in_flight.values():  # its grace passes (the accepted one has none to pass)
+            routed.chosen_at -= router_module.UNSENT_GRACE_S + 1
+        assert router._in_flight_by_replica({}, time.time()) == {first.replica_id.unique_id: 1}  # the lost one no longer counts
         # With one request still running on the first replica, idle traffic goes to the other, every time.
         for i in range(2, 8):
             chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
             assert chosen.replica_id == second.replica_id
             router.on_request_completed(chosen.replica_id, f"internal-{i}")
         router.on_request_completed(first.replica_id, "internal-0")
-        assert router._in_flight_by_replica() == {}
+        assert router._in_flight_by_replica({}, time.time()) == {}
         # Nothing in flight anywhere: sequential requests reach both replicas.
         served = set()
         for i in range(8, 40):
             chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
             served.add(chosen.replica_id.unique_id)
             router.on_request_completed(chosen.replica_id, f"internal-{i}")
+        assert served == {"a", "b"}
+
+    asyncio.run(scenario())
+
+
+def _report(num_held: int, reported_at: float) -> dict:
+    return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_active_streams": num_held,
+            "reported_at": reported_at}
+
+
+def test_router_stops_counting_an_accepted_request_its_replica_reports_it_no_longer_holds():
+    import asyncio
+
+    from deployments.router import REPORT_SETTLE_S
+
+    async def scenario():
+        router, replicas = _router_and_replicas()
+        a = replicas[0]
+        # Two requests "a" accepted whose completions never reach this router (a lost callback).
+        for i in range(2):
+            pending = _pending(i)
+            chosen = (await router.choose_replicas([a], pending))[0][0]
+            pending.future.set_result(chosen)
+            router.on_request_routed(pending, chosen.replica_id, None)
+        accepted_at = time.time()
+        # A report from before they had settled proves nothing; one that says "a" still holds both keeps them.
+        for stats in (_report(0, accepted_at), _report(2, accepted_at + REPORT_SETTLE_S + 0.5)):
+            a.routing_stats = stats
+            assert router._in_flight_by_replica({"a": ReplicaReport.from_routing_stats(stats)},
+                                                accepted_at + REPORT_SETTLE_S + 1) == {"a": 2}
+        # "a" reports holding one, then none: the oldest goes first, then the other.
+        for held in (1, 0):
+            stats = _report(held, accepted_at + REPORT_SETTLE_S + 0.5)
+            assert router._in_flight_by_replica({"a": ReplicaReport.from_routing_stats(stats)},
+                                                accepted_at + REPORT_SETTLE_S + 1) == ({"a": 1} if held else {})
+        assert len(router._in_flight) == 0
+        # And with it gone, idle traffic reaches both replicas again.
+        for replica in replicas:
+            replica.routing_stats = _report(0, time.time())
+        served = set()
+        for i in range(2, 34):
+            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
+            served.add(chosen.replica_id.unique_id)
+            router.on_request_completed(chosen.replica_id, f"internal-{i}")
+        assert served == {"a", "b"}
+
+    asyncio.run(scenario())
+
+
+def test_serve_count_older_than_a_replica_report_is_corrected_by_it():
+    import asyncio
+
+    from deployments.router import REPORT_SETTLE_S
+
+    async def scenario():
+        router, replicas = _router_and_replicas()
+        a, b = replicas
+        # Serve's cached count for "b" kept +2 for requests cancelled between being sent and being accepted.
+        pending = _pending(0)
+        chosen = (await router.choose_replicas([b], pending))[0][0]
+        router.on_request_completed(chosen.replica_id, "internal-0")
+        router.replica_queue_len_cache.update(b.replica_id, 2)
+        router.replica_queue_len_cache.update(a.replica_id, 0)
+        # A report from just after that send says nothing yet: Serve's count stands.
+        a.routing_stats = b.routing_stats = _report(0, time.time())
+        await router.choose_replicas(replicas, _pending(1))
+        router.on_request_completed(a.replica_id, "internal-1")
+        assert router.replica_queue_len_cache.get(b.replica_id) == 2
+        # Reports newer than the last send to "b": its count becomes what it reported, and idle traffic spreads.
+        router._last_chosen = {key: t - 2 * REPORT_SETTLE_S for key, t in router._last_chosen.items()}
+        served = set()
+        for i in range(2, 34):
+            a.routing_stats = b.routing_stats = _report(0, time.time())
+            router._last_chosen = {key: t - 2 * REPORT_SETTLE_S for key, t in router._last_chosen.items()}
+            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
+            served.add(chosen.replica_id.unique_id)
+            router.on_request_completed(chosen.replica_id, f"internal-{i}")
+        assert router.replica_queue_len_cache.get(b.replica_id) == 0
         assert served == {"a", "b"}
 
     asyncio.run(scenario())

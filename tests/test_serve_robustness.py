@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -72,6 +73,23 @@ BAD = [
 ]
 
 
+# The router settles on its replicas' reports within a few report periods (1 s each) after a burst of cancelled
+# requests: idle traffic reaches every replica again within this.
+SETTLE_S = 8.0
+
+
+def replicas_answering(http: httpx.Client, served_by: set[str], pids: dict, timeout_s: float = SETTLE_S) -> set[str]:
+    """Normal requests until every engine replica has answered one (bounded): a replica that stopped serving
+    never does."""
+    deadline = time.monotonic() + timeout_s
+    i = 0
+    while served_by != set(pids) and time.monotonic() < deadline:
+        served_by = served_by | {normal_request(http, 1000 + i)}
+        i += 1
+        time.sleep(0.1)
+    return served_by
+
+
 def normal_request(http: httpx.Client, i: int) -> str:
     """A small request that must succeed; returns the engine replica that served it (from its timeline)."""
     response = http.post(COMPLETIONS, json={"prompt": f"Normal request {i}:", "max_tokens": 2},
@@ -82,10 +100,12 @@ def normal_request(http: httpx.Client, i: int) -> str:
 
 def test_bad_combinations_get_4xx_and_every_replica_keeps_serving(serve_app):
     assert len(BAD) >= 31
+    assert len(wait_until_idle(serve_app, 60)) == 2
     pids = replica_pids(ENGINE)
     assert len(pids) == 2
     served_by = set()
     with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        assert replicas_answering(http, set(), pids) == set(pids)
         for i, case in enumerate(BAD):
             path, body = case.values
             # json.dumps writes NaN and Infinity, as some clients do (httpx's own encoder refuses them).
@@ -95,7 +115,8 @@ def test_bad_combinations_get_4xx_and_every_replica_keeps_serving(serve_app):
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], (case.id, error)
             served_by.add(normal_request(http, i))
-    # Both replicas answered between the bad requests (if not: what each reported, to tell a stuck one from routing).
+        served_by = replicas_answering(http, served_by, pids)
+    # Both replicas answer after the bad requests (if not: what each reported, to tell a stuck one from routing).
     assert served_by == set(pids), [(s.replica_id, s.num_running, s.num_waiting, s.num_used_kv_blocks,
                                      s.num_active_streams) for s in serve_app.engine_replica_stats()]
     assert replica_pids(ENGINE) == pids  # same replicas, same processes: none restarted
@@ -153,6 +174,8 @@ async def streams_and_a_faulted_request(base_url: str, count: int) -> tuple[list
 def test_step_made_to_fail_fails_its_batch_only_and_the_other_requests_stream_on(serve_app):
     assert len(wait_until_idle(serve_app, 60)) == 2
     pids = replica_pids(ENGINE)
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        assert replicas_answering(http, set(), pids) == set(pids)  # the router sees both as idle
     inject_step_fault(MARK)
     try:
         outcomes, faulted = asyncio.run(streams_and_a_faulted_request(serve_app.base_url, 8))
