@@ -108,6 +108,9 @@ class Scheduler:
 
         # Admitting new work while short of blocks would only thrash the pool.
         deferred: list[Request] = []  # waiting on their grammar: they keep their place, others go meanwhile
+        sharing = len(self.fair.counters) > 1
+        busy_tenants = {r.tenancy.tenant for r in self.running} if sharing else set()
+        protecting = False  # a request of a tenant with nothing running starts this step
         try:
             while budget > 0 and len(self.running) < self.max_num_seqs and not short_of_blocks:
                 request = self.waiting.peek()
@@ -117,12 +120,18 @@ class Scheduler:
                     self.waiting.remove(request)
                     deferred.append(request)
                     continue
+                if protecting and request.tenancy.tenant in busy_tenants:
+                    # That request's first token is what fair share protects: the prefills of tenants already
+                    # running here start next step rather than lengthen this one (other newcomers join it).
+                    break
                 out.considering = request
                 hits, num_cached = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_new, hits):
                     break
                 self.waiting.remove(request)
+                if sharing and request.tenancy.tenant not in busy_tenants and request.timings.first_scheduled is None:
+                    protecting = True
                 self._admit(request, num_cached, now)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new

@@ -110,6 +110,27 @@ def test_tenant_with_nothing_running_takes_a_batch_slot_from_the_tenant_holding_
     assert engine.requests["b-1"].status == RequestStatus.WAITING
 
 
+def test_first_prefill_of_a_tenant_with_nothing_running_shares_its_step_with_no_busy_tenants_prefill(make_engine):
+    engine = make_engine(max_num_seqs=6)
+    for i in range(2):
+        engine.add_request(f"a-{i}", prompt(i), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+                           tenancy=Tenancy("a"))
+    for _ in range(3):
+        engine.step()  # a's two are decoding; four slots are free
+    for i in (2, 3):
+        engine.add_request(f"a-{i}", prompt(i), PARAMS, tenancy=Tenancy("a"))
+    engine.add_request("b-0", prompt(50), PARAMS, tenancy=Tenancy("b"))
+    engine.add_request("c-0", prompt(60), PARAMS, tenancy=Tenancy("c"))
+    engine.step()
+    step = engine.scheduler.last_output.scheduled
+    # b's and c's first tokens ride with a's decodes only; a's waiting prefill starts next step.
+    assert {s.request.request_id for s in step if not s.is_decode} == {"b-0", "c-0"}
+    assert sum(s.is_decode for s in step) == 2
+    assert engine.requests["a-2"].status == engine.requests["a-3"].status == RequestStatus.WAITING
+    engine.step()
+    assert engine.requests["a-2"].status == engine.requests["a-3"].status == RequestStatus.RUNNING
+
+
 def test_tenant_back_from_idle_banks_no_credit(make_engine):
     """A tenant that sent nothing for a while starts level with those waiting, not far below them."""
     engine = make_engine()
