@@ -55,6 +55,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# A newcomer tenant's first prefill may run without the running requests' decodes in at most one step of this many.
+SOLO_STEP_PERIOD = 4
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, fair: FairShare | None = None) -> None:
@@ -67,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []  # in (priority, admission) order: the last is preempted first
         self._num_admitted = 0
         self.num_preemptions = 0
+        self._steps_since_solo = SOLO_STEP_PERIOD  # steps since one ran a newcomer's first prefill alone
         self.last_output = SchedulerOutput()  # the step being scheduled, or the last one
 
     def add(self, request: Request) -> None:
@@ -80,13 +85,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = self.last_output = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         now = time.time()
         self._drop_expired(now, out)
         self._preempt_for_priority(now, out)
-        if len(self.fair.counters) > 1:  # one tenant alone needs no share kept for others
+        sharing = len(self.fair.counters) > 1  # one tenant alone needs no share kept for others
+        if sharing:
             self._preempt_for_fair_share(now, out)
+        busy_tenants = {r.tenancy.tenant for r in self.running} if sharing else set()
+        self._steps_since_solo += 1
+        if sharing and self._first_prefill_goes_alone(busy_tenants):
+            self._admit_waiting(out, self.max_num_batched_tokens, now, busy_tenants, protecting=True)
+            if out.scheduled:
+                self._steps_since_solo = 0
+                self._finish_schedule(out, sharing)
+                return out
 
+        budget = self.max_num_batched_tokens
         i = 0
         short_of_blocks = False
         while i < len(self.running) and budget > 0:
@@ -107,12 +121,33 @@ class Scheduler:
                 i += 1
 
         # Admitting new work while short of blocks would only thrash the pool.
+        if not short_of_blocks:
+            self._admit_waiting(out, budget, now, busy_tenants, protecting=False)
+        self._finish_schedule(out, sharing)
+        return out
+
+    def _first_prefill_goes_alone(self, busy_tenants: set[str]) -> bool:
+        """The next waiting request is the first of a tenant with nothing running, while tenants already running
+        here also have requests waiting (the replica is oversubscribed): its prefill runs in a step of its own,
+        without the running requests' decodes, as it would on an idle replica. At most one such step in every
+        SOLO_STEP_PERIOD, so running requests lose at most that share of their steps however often tenants arrive."""
+        if self._steps_since_solo < SOLO_STEP_PERIOD or not self.running:
+            return False
+        head = self.waiting.peek()
+        if head is None or not head.ready or head.tenancy.tenant in busy_tenants \
+                or head.timings.first_scheduled is not None:
+            return False
+        return any(self.waiting.count(tenant) for tenant in busy_tenants)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, busy_tenants: set[str],
+                       protecting: bool) -> None:
+        """Admits waiting requests in queue order while the budget, batch slots and blocks last. Once a request
+        of a tenant with nothing running (`busy_tenants`: the tenants that had) is admitted, or from the start when
+        `protecting`, requests of busy tenants wait for the next step: that request's first token is what fair
+        share protects, and their prefills would lengthen its step (other newcomers join it)."""
         deferred: list[Request] = []  # waiting on their grammar: they keep their place, others go meanwhile
-        sharing = len(self.fair.counters) > 1
-        busy_tenants = {r.tenancy.tenant for r in self.running} if sharing else set()
-        protecting = False  # a request of a tenant with nothing running starts this step
         try:
-            while budget > 0 and len(self.running) < self.max_num_seqs and not short_of_blocks:
+            while budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek()
                 if request is None:
                     break
@@ -121,8 +156,6 @@ class Scheduler:
                     deferred.append(request)
                     continue
                 if protecting and request.tenancy.tenant in busy_tenants:
-                    # That request's first token is what fair share protects: the prefills of tenants already
-                    # running here start next step rather than lengthen this one (other newcomers join it).
                     break
                 out.considering = request
                 hits, num_cached = self.kv.get_computed_blocks(request)
@@ -130,17 +163,19 @@ class Scheduler:
                 if not self.kv.allocate_slots(request, num_new, hits):
                     break
                 self.waiting.remove(request)
-                if sharing and request.tenancy.tenant not in busy_tenants and request.timings.first_scheduled is None:
+                if busy_tenants and request.tenancy.tenant not in busy_tenants \
+                        and request.timings.first_scheduled is None:
                     protecting = True
                 self._admit(request, num_cached, now)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
         finally:
             self.waiting.restore(deferred)
+
+    def _finish_schedule(self, out: SchedulerOutput, sharing: bool) -> None:
         out.considering = None
-        if len(self.fair.counters) > 1:  # one tenant alone needs no counter
+        if sharing:
             self._charge(out)
-        return out
 
     def _admit(self, request: Request, num_cached: int, now: float) -> None:
         request.num_computed_tokens = num_cached

@@ -110,11 +110,13 @@ def test_tenant_with_nothing_running_takes_a_batch_slot_from_the_tenant_holding_
     assert engine.requests["b-1"].status == RequestStatus.WAITING
 
 
-def test_first_prefill_of_a_tenant_with_nothing_running_shares_its_step_with_no_busy_tenants_prefill(make_engine):
+LONG = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def test_first_prefill_of_a_tenant_with_nothing_running_runs_alone_while_the_busy_tenant_is_backlogged(make_engine):
     engine = make_engine(max_num_seqs=6)
     for i in range(2):
-        engine.add_request(f"a-{i}", prompt(i), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
-                           tenancy=Tenancy("a"))
+        engine.add_request(f"a-{i}", prompt(i), LONG, tenancy=Tenancy("a"))
     for _ in range(3):
         engine.step()  # a's two are decoding; four slots are free
     for i in (2, 3):
@@ -122,13 +124,45 @@ def test_first_prefill_of_a_tenant_with_nothing_running_shares_its_step_with_no_
     engine.add_request("b-0", prompt(50), PARAMS, tenancy=Tenancy("b"))
     engine.add_request("c-0", prompt(60), PARAMS, tenancy=Tenancy("c"))
     engine.step()
-    step = engine.scheduler.last_output.scheduled
-    # b's and c's first tokens ride with a's decodes only; a's waiting prefill starts next step.
-    assert {s.request.request_id for s in step if not s.is_decode} == {"b-0", "c-0"}
-    assert sum(s.is_decode for s in step) == 2
+    # b's and c's first prefills run as on an idle replica: no decode of a's, no prefill of a's waiting ones.
+    assert {s.request.request_id for s in engine.scheduler.last_output.scheduled} == {"b-0", "c-0"}
     assert engine.requests["a-2"].status == engine.requests["a-3"].status == RequestStatus.WAITING
-    engine.step()
-    assert engine.requests["a-2"].status == engine.requests["a-3"].status == RequestStatus.RUNNING
+    engine.step()  # then everyone: a's decodes, b's and c's, a's waiting prefills
+    step = engine.scheduler.last_output.scheduled
+    assert {s.request.request_id for s in step} == {"a-0", "a-1", "a-2", "a-3", "b-0", "c-0"}
+
+
+def test_newcomer_prefill_shares_the_step_when_nobody_is_backlogged_and_no_busy_prefill_joins_it(make_engine):
+    engine = make_engine(max_num_seqs=6)
+    for i in range(2):
+        engine.add_request(f"a-{i}", prompt(i), LONG, tenancy=Tenancy("a"))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("b-0", prompt(50), PARAMS, tenancy=Tenancy("b"))
+    engine.step()  # a has nothing waiting: b's prefill rides with a's decodes, as in any step
+    assert {s.request.request_id for s in engine.scheduler.last_output.scheduled} == {"a-0", "a-1", "b-0"}
+    engine.add_request("c-0", prompt(60), PARAMS, tenancy=Tenancy("c"))
+    engine.add_request("a-2", prompt(2), PARAMS, tenancy=Tenancy("a"))
+    engine.step()  # a backlogged, but c's step is the fourth since the last lone one: c first, then a waits
+    step = {s.request.request_id for s in engine.scheduler.last_output.scheduled}
+    assert "c-0" in step and "a-2" not in step
+
+
+def test_running_requests_lose_at_most_one_step_in_solo_step_period_however_often_tenants_arrive(make_engine):
+    from engine.scheduler import SOLO_STEP_PERIOD
+
+    engine = make_engine(max_num_seqs=12, max_num_batched_tokens=256)
+    for i in range(16):  # more than the slots: a stays backlogged
+        engine.add_request(f"a-{i}", prompt(i), LONG, tenancy=Tenancy("a"))
+    for _ in range(2):
+        engine.step()
+    without_a = 0
+    num_steps = 4 * SOLO_STEP_PERIOD
+    for k in range(num_steps):  # a new tenant every step
+        engine.add_request(f"n{k}-0", prompt(100 + k, 8), PARAMS, tenancy=Tenancy(f"n{k}"))
+        engine.step()
+        without_a += not any(s.request.tenancy.tenant == "a" for s in engine.scheduler.last_output.scheduled)
+    assert 1 <= without_a <= num_steps // SOLO_STEP_PERIOD
 
 
 def test_tenant_back_from_idle_banks_no_credit(make_engine):
