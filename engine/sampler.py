@@ -2,8 +2,11 @@
 penalties and structured-output bitmasks on the rows that use them (engine/logits_processors.py,
 engine/structured_output.py).
 
-Sampling uses the exponential-race trick (argmax of p / E, E ~ Exp(1)), which draws exactly from p and lets a
-seeded request draw its noise from its own generator, so its tokens do not depend on its batch neighbours.
+Sampling inverts each row's cumulative distribution at one uniform draw (the cumulative sum in float64, so the
+draw is exact to far below any token's probability): one random number per row, where the exponential race
+(argmax of p / E, E ~ Exp(1) per vocabulary entry) cost a random draw per entry, 30 ms a step at batch 32 on one
+CPU thread against 3. A seeded request draws its uniform from its own generator, so its tokens do not depend on
+its batch neighbours.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from engine.request import Request, TokenLogprobs
 from engine.structured_output import GrammarCompiler, GrammarMasks
 
 
+# Past this a temperature flattens the distribution as much as infinity would, and stays finite in float32 (an
+# infinite one would turn the -inf of a banned token into NaN).
+MAX_TEMPERATURE = 1e4
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters as tensors; built once per step from the requests that sample."""
@@ -27,6 +35,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [B, 1]
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
+    any_greedy: bool
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked for min_tokens
     generators: list[tuple[int, torch.Generator]]  # seeded rows
     max_logprobs: int | None
@@ -40,7 +49,7 @@ class SamplingBatch:
                       grammars: GrammarCompiler | None = None) -> "SamplingBatch":
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        temps = [1.0 if g else min(p.temperature, MAX_TEMPERATURE) for p, g in zip(params, greedy)]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         banned = []
         for row, r in enumerate(requests):
@@ -60,6 +69,7 @@ class SamplingBatch:
             if any(p.min_p > 0 for p in params) else None,
             greedy=torch.tensor(greedy, device=device),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             banned=banned,
             generators=[(row, r.generator) for row, r in enumerate(requests) if r.generator is not None],
             max_logprobs=max(want) if want else None,
@@ -94,7 +104,7 @@ class Sampler:
         logits = batch.process_logits(logits)
         if batch.all_greedy:
             return logits.argmax(dim=-1), logprobs
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
         logits = logits / batch.temperature
         if batch.top_k is not None:
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (batch.top_k - 1).unsqueeze(1))
@@ -107,11 +117,22 @@ class Sampler:
             probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
         if batch.min_p is not None:
             probs = probs.masked_fill(probs < batch.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in batch.generators:
-            noise[row] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = sample_from(probs, batch.generators)
+        if greedy_tokens is None:
+            return sampled, logprobs
         return torch.where(batch.greedy, greedy_tokens, sampled), logprobs
+
+
+def sample_from(probs: torch.Tensor, generators: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """One token per row, drawn from the row's (unnormalised, non-negative) weights `probs` [B, V]: the first
+    token whose cumulative weight exceeds a uniform draw times the row's total. A token of weight 0 is never
+    drawn (its interval is empty); `right=True` and a draw below 1 keep the index inside the vocabulary (the clamp
+    holds it there for a row of NaN weights too, which only NaN logits can give)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+    for row, generator in generators:
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator).to(probs.device)
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def sampled_to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: list[int],

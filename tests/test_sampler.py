@@ -61,8 +61,8 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     def sample(batch_size):
         reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, seed=7 if i == 0 else None), 16)
                 for i in range(batch_size)]
-        logits = torch.randn(batch_size, 1000, generator=torch.Generator().manual_seed(0))
-        logits[:] = logits[0]
+        # The same row for every batch size (randn of a larger shape would not start with the same row).
+        logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)).expand(batch_size, 1000).clone()
         tokens = []
         sampler = Sampler()
         for _ in range(5):
@@ -128,3 +128,39 @@ def test_logit_bias_of_100_forces_the_token_and_minus_100_bans_it():
     for _ in range(20):
         tokens, _ = Sampler()(logits.clone(), SamplingBatch.from_requests(requests, 5, torch.device("cpu")))
         assert tokens[0] == 4 and tokens[1] != 0
+
+
+def test_draws_never_land_on_a_zero_weight_token_and_follow_the_weights_on_a_large_vocabulary():
+    from engine.sampler import sample_from
+
+    vocab = 49152
+    weights = torch.zeros(64, vocab)
+    weights[:, 1000] = 3.0  # the first and last tokens, and everything else, weigh nothing
+    weights[:, 40000] = 1.0
+    weights[:, vocab - 2] = 1e-30  # still drawable, in principle, but never in practice
+    counts = torch.zeros(vocab)
+    for _ in range(50):
+        for token in sample_from(weights, []).tolist():
+            counts[token] += 1
+    assert counts.sum() == 64 * 50 and set(counts.nonzero().flatten().tolist()) <= {1000, 40000, vocab - 2}
+    assert math.isclose(counts[1000] / counts.sum(), 0.75, abs_tol=0.04)
+
+
+def test_greedy_and_sampled_rows_mix_in_one_batch():
+    requests = [Request(f"r{i}", [1], SamplingParams(temperature=0 if i % 2 else 1.0, seed=i), 16) for i in range(8)]
+    logits = PROBS.log().repeat(8, 1)
+    tokens, _ = Sampler()(logits, SamplingBatch.from_requests(requests, 5, torch.device("cpu")))
+    assert all(tokens[i] == 0 for i in range(1, 8, 2))
+    again, _ = Sampler()(logits, SamplingBatch.from_requests(
+        [Request(f"r{i}", [1], SamplingParams(temperature=0 if i % 2 else 1.0, seed=i), 16) for i in range(8)],
+        5, torch.device("cpu")))
+    assert again == tokens  # seeded rows draw the same again
+
+
+def test_huge_temperature_with_banned_tokens_draws_uniformly_among_the_allowed():
+    requests = [Request(f"r{i}", [1], SamplingParams(temperature=1e300, min_tokens=2), 16, eos_token_ids=(0,))
+                for i in range(2000)]
+    logits = PROBS.log().repeat(2000, 1)
+    tokens, _ = Sampler()(logits, SamplingBatch.from_requests(requests, 5, torch.device("cpu")))
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / 2000
+    assert freq[0] == 0 and torch.allclose(freq[1:], torch.full((4,), 0.25), atol=0.04)
