@@ -74,9 +74,10 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(300, 40000, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: str) -> EngineRun:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: str,
+               temperature: float = 0.0) -> EngineRun:
     engine.kv.reset_prefix_cache()
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     first_step = engine.stats().num_steps
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -132,6 +133,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batches", default="1,32", help="transformers generate batch sizes ('' to skip)")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (as vllm bench serve); 1: sampled, OpenAI's default")
     parser.add_argument("--out", default="results/bench_engine.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -148,7 +151,7 @@ def main() -> None:
         backend = backend or engine.runner.attention_backend
         run_engine(engine, prompts[:2], 8, dtype)  # warm-up: kernels, allocator
         for c in concurrencies if dtype == args.dtype else [1, max(concurrencies)]:
-            runs.append(run_engine(engine, prompts[:c], args.output_len, dtype))
+            runs.append(run_engine(engine, prompts[:c], args.output_len, dtype, args.temperature))
             log.info("engine %s c=%d: %.1f tok/s", dtype, c, runs[-1].output_tok_s)
         del engine
 
@@ -183,6 +186,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+        "temperature": args.temperature,
         "threads": default_num_threads(), "torch": torch.__version__, "attention_backend": backend,
         "matmul_gflops": gflops, "flops_per_output_token": per_output, "roofline": roofline,
         "engine": [asdict(r) for r in runs], "transformers": [asdict(r) for r in hf_runs],
