@@ -225,6 +225,16 @@ def _pending(i: int):
     return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(f"r{i}", f"internal-{i}"))
 
 
+async def _served_one_at_a_time(router, replicas, ids) -> set[str]:
+    """The replicas that requests sent one after another (each completed before the next) were routed to."""
+    served = set()
+    for i in ids:
+        chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
+        served.add(chosen.replica_id.unique_id)
+        router.on_request_completed(chosen.replica_id, f"internal-{i}")
+    return served
+
+
 def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent():
     import asyncio
 
@@ -254,12 +264,7 @@ def test_router_counts_a_request_until_it_completes_and_forgets_one_never_sent()
         router.on_request_completed(first.replica_id, "internal-0")
         assert router._in_flight_by_replica({}, time.time()) == {}
         # Nothing in flight anywhere: sequential requests reach both replicas.
-        served = set()
-        for i in range(8, 40):
-            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
-            served.add(chosen.replica_id.unique_id)
-            router.on_request_completed(chosen.replica_id, f"internal-{i}")
-        assert served == {"a", "b"}
+        assert await _served_one_at_a_time(router, replicas, range(8, 40)) == {"a", "b"}
 
     asyncio.run(scenario())
 
@@ -298,12 +303,7 @@ def test_router_stops_counting_an_accepted_request_its_replica_reports_it_no_lon
         # And with it gone, idle traffic reaches both replicas again.
         for replica in replicas:
             replica.routing_stats = _report(0, time.time())
-        served = set()
-        for i in range(2, 34):
-            chosen = (await router.choose_replicas(replicas, _pending(i)))[0][0]
-            served.add(chosen.replica_id.unique_id)
-            router.on_request_completed(chosen.replica_id, f"internal-{i}")
-        assert served == {"a", "b"}
+        assert await _served_one_at_a_time(router, replicas, range(2, 34)) == {"a", "b"}
 
     asyncio.run(scenario())
 
