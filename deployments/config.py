@@ -49,6 +49,8 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     "shm_collectives": dict(description="tensor parallelism on CPU: all-reduces through shared memory (native "
                                         "kernel), not gloo"),
     "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
+    "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
+                                              "process's other CPUs sit idle (None: num_threads always)"),
     "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "
                                                        "fair-share counters"),
     "fair_share_output_weight": dict(ge=0, description="what an output token costs a tenant"),

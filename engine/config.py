@@ -120,6 +120,9 @@ class EngineConfig:
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     num_threads: int | None = None
+    # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);
+    # None: num_threads for every step.
+    prefill_threads: int | None = None
     # Devices (ranks) one engine spans: Megatron-style tensor parallelism, rank 0 in this process.
     tensor_parallel_size: int = 1
     # Tensor parallelism: how long a rank waits on the others in a collective before the engine gives up.

@@ -7,11 +7,12 @@ that leaves the engine's state unknown (engine.failures.leaves_state_unknown) pr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.attention import effective_block_size
 from engine.backlog import MIN_FINISHED, Backlog, Job, OutputLengths, StepCostModel
 from engine.config import EngineConfig, ModelArgs
 from engine.failures import EngineFatalError, FailureKind, RequestFailure, leaves_state_unknown
+from engine.idle_cpus import IdleCpus
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, open_checkpoint, read_generation_eos
 from engine.model_runner import ModelRunner
@@ -36,6 +38,10 @@ from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 
 log = logging.getLogger(__name__)
 
+# A step with at least this many prompt tokens may borrow idle CPUs (EngineConfig.prefill_threads); each thread
+# beyond num_threads needs this much of a CPU idle on average since the last such step.
+PREFILL_BORROW_MIN_TOKENS = 64
+BORROW_IDLE_SHARE = 0.6
 PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
 
 
@@ -67,6 +73,8 @@ class LLMEngine:
         loaded = time.perf_counter()
         self.ranks: RankLauncher | None = None
         self.runner = self._start_runner(config, args, weights, ranks)
+        self._idle_cpus = (IdleCpus() if config.prefill_threads and config.device == "cpu"
+                           and config.tensor_parallel_size == 1 else None)
         built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -205,13 +213,31 @@ class LLMEngine:
                 if s.request.grammar is not None:
                     s.request.grammar.start(s.request.output_token_ids)
             self._raise_injected_fault(sched)
-            sampled = self.runner.execute(sched.scheduled)
+            with self._threads_for(sched, decodes):
+                sampled = self.runner.execute(sched.scheduled)
             advanced = self.scheduler.update_from_output(sched, sampled)
             sampled_outputs = [self._sampled_output(r, token, logprobs) for r, token, logprobs in advanced]
         except Exception as exc:
             return outputs + self._fail_batch(sched, computed, exc, "running")
         self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s, advanced)
         return outputs + sampled_outputs
+
+    @contextlib.contextmanager
+    def _threads_for(self, sched: SchedulerOutput, decodes: list[bool]) -> Iterator[None]:
+        """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while this process's
+        other CPUs sat idle since the last such step (engine.idle_cpus); every other step on `num_threads`."""
+        borrow = self._idle_cpus is not None and sum(
+            s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode) >= PREFILL_BORROW_MIN_TOKENS
+        threads = torch.get_num_threads()
+        extra = self.config.prefill_threads - threads if borrow else 0
+        if extra <= 0 or self._idle_cpus.idle() < extra * BORROW_IDLE_SHARE:
+            yield
+            return
+        torch.set_num_threads(self.config.prefill_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _sampled_output(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> EngineOutput:
         if request.is_finished:
