@@ -208,26 +208,27 @@ class LLMEngine:
         # KV is computed up to here for each request; a failed step leaves nothing valid past it.
         computed = {s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
         decodes = [s.is_decode for s in sched.scheduled]  # read before the update moves the requests on
+        prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
         try:
             for s in sched.scheduled:
                 if s.request.grammar is not None:
                     s.request.grammar.start(s.request.output_token_ids)
             self._raise_injected_fault(sched)
-            with self._threads_for(sched, decodes):
+            with self._threads_for(prefill_tokens):
                 sampled = self.runner.execute(sched.scheduled)
             advanced = self.scheduler.update_from_output(sched, sampled)
             sampled_outputs = [self._sampled_output(r, token, logprobs) for r, token, logprobs in advanced]
         except Exception as exc:
             return outputs + self._fail_batch(sched, computed, exc, "running")
-        self._record_step(sched, decodes, computed, start, time.perf_counter() - t0, schedule_s, advanced)
+        self._record_step(sched, decodes, prefill_tokens, computed, start, time.perf_counter() - t0, schedule_s,
+                          advanced)
         return outputs + sampled_outputs
 
     @contextlib.contextmanager
-    def _threads_for(self, sched: SchedulerOutput, decodes: list[bool]) -> Iterator[None]:
+    def _threads_for(self, prefill_tokens: int) -> Iterator[None]:
         """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while this process's
         other CPUs sat idle since the last such step (engine.idle_cpus); every other step on `num_threads`."""
-        borrow = self._idle_cpus is not None and sum(
-            s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode) >= PREFILL_BORROW_MIN_TOKENS
+        borrow = self._idle_cpus is not None and prefill_tokens >= PREFILL_BORROW_MIN_TOKENS
         threads = torch.get_num_threads()
         extra = self.config.prefill_threads - threads if borrow else 0
         if extra <= 0 or self._idle_cpus.idle() < extra * BORROW_IDLE_SHARE:
@@ -251,13 +252,12 @@ class LLMEngine:
         self._finished += 1
         return self._output(request, [], [])
 
-    def _record_step(self, sched: SchedulerOutput, decodes: list[bool], computed: dict[str, int], start: float,
-                     duration_s: float, schedule_s: float,
+    def _record_step(self, sched: SchedulerOutput, decodes: list[bool], prefill_tokens: int,
+                     computed: dict[str, int], start: float, duration_s: float, schedule_s: float,
                      advanced: list[tuple[Request, int, TokenLogprobs | None]]) -> None:
         """The step's statistics: the engine's counters, the step cost model, the step ring. `computed`: each
         request's KV length before the step."""
         decode_tokens = sum(decodes)
-        prefill_tokens = sum(s.num_new_tokens for s, decode in zip(sched.scheduled, decodes) if not decode)
         # The context the decodes attend to, and the prefill's attention work (query x key tokens, millions).
         context_tokens = sum(computed[s.request.request_id] + 1 for s, d in zip(sched.scheduled, decodes) if d)
         attention = sum(s.num_new_tokens * (computed[s.request.request_id] + s.num_new_tokens / 2)
