@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-# Shorter than this since the last read says nothing: /proc/stat counts in clock ticks (10 ms).
-MIN_WINDOW_S = 0.02
+# Shorter than this since the last read says too little: /proc/stat counts in clock ticks (10 ms).
+MIN_WINDOW_S = 0.1
 
 
 class IdleCpus:
@@ -25,6 +25,7 @@ class IdleCpus:
             self.cpus = set()
         self._last = self._read()
         self._last_at = time.monotonic()
+        self._own_last = time.process_time()
         self._idle = 0.0
 
     def _read(self) -> tuple[int, int] | None:
@@ -43,16 +44,19 @@ class IdleCpus:
             return None
 
     def idle(self) -> float:
-        """CPUs idle on average since the last call (0 to the number of CPUs); the last figure when called again
-        within MIN_WINDOW_S, 0 where it cannot be read."""
+        """CPUs this process could have had on average since the last call (0 to the number of CPUs): the idle
+        ones plus those this process itself kept busy, so that a step that borrowed does not read its own use as
+        its neighbours'. The last figure when called again within MIN_WINDOW_S, 0 where it cannot be read."""
         now = time.monotonic()
         if now - self._last_at < MIN_WINDOW_S:
             return self._idle
-        current = self._read()
+        current, own = self._read(), time.process_time()
         if current is None or self._last is None or current[1] <= self._last[1]:
-            self._last, self._last_at = current, now
+            self._last, self._last_at, self._own_last = current, now, own
             return self._idle
         idle_ticks, all_ticks = current[0] - self._last[0], current[1] - self._last[1]
-        self._idle = len(self.cpus) * idle_ticks / all_ticks
-        self._last, self._last_at = current, now
+        n = len(self.cpus)
+        own_cpus = (own - self._own_last) / (now - self._last_at)
+        self._idle = min(float(n), n * idle_ticks / all_ticks + own_cpus)
+        self._last, self._last_at, self._own_last = current, now, own
         return self._idle
