@@ -2,7 +2,9 @@
 
 A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
 request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
-the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages.
+the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages. A request that names
+its ingress's token channel gets its first chunk through Serve and the rest over the channel, every chunk of a
+step for that ingress in one message (deployments/token_channel.py); its Serve stream ends with a ChannelEnd.
 
 Admission: a request is refused at once (503, Retry-After = this replica's backlog: the wait before it could
 start) when, behind what the replica holds, it would finish past ADMIT_WAIT_FRACTION of the time left before its
@@ -34,6 +36,7 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
 from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ProfileResult,
                                  ReplicaStats, ReplicaSteps, RequestRejected)
+from deployments.token_channel import ChannelBroken, ChannelEnd, ChannelLinks
 from deployments.tp_ranks import RayRanks
 from engine import AsyncEngine, EngineOutput, InvalidRequestError, LLMEngine
 from engine.failures import FailureKind, RequestFailure
@@ -68,6 +71,7 @@ class EngineReplica:
         self.engine = AsyncEngine(config, core, on_death=self._exit_on_engine_death)
         self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
+        self._links = ChannelLinks()
         info = self.engine.model_info()
         self.metrics = EngineMetrics(args.model_name(), self.replica_id, info.limits.max_model_len)
         self.metrics.record_engine_info(info.attention_backend, config.device, config.dtype, info.cuda_graphs)
@@ -85,8 +89,10 @@ class EngineReplica:
                  "cold start %s", self.replica_id, config.model, config.device, info.attention_backend,
                  info.cuda_graphs, config.num_threads, self._cold_start)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[GenerationChunk] | RequestRejected]:
-        """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request."""
+    async def generate(self, request: EngineRequest
+                       ) -> AsyncIterator[list[GenerationChunk] | RequestRejected | ChannelEnd]:
+        """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request; with
+        the token channel, the chunks after the first go over it and the stream ends with a ChannelEnd."""
         entered = time.monotonic()
         prompts = request.prompts
         num_choices = request.n * len(prompts)
@@ -99,6 +105,7 @@ class EngineReplica:
         if refusal is not None:
             yield refusal
             return
+        link = await self._links.link(request.channel) if request.channel is not None else None
         for prompt in prompts:
             self.metrics.record_arrival(request.n, request.sampling.max_tokens)
             if self.load is not None:
@@ -109,10 +116,24 @@ class EngineReplica:
             choices = [self._choice(request, prompt, i * request.n + j, j, entered)
                        for i, prompt in enumerate(prompts) for j in range(request.n)]
             batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
+            sent = -1  # over the channel; the first batch goes through Serve
             async for batch in batches:
-                yield batch
+                if link is None or sent < 0:
+                    yield batch
+                    sent = 0
+                else:
+                    try:
+                        link.send(request.channel_key, batch)
+                    except ChannelBroken as exc:
+                        log.warning("request %s: %s", request.request_id, exc)
+                        yield RequestRejected("the engine replica lost its connection to the ingress",
+                                              code="token_channel_lost", status=500)
+                        return
+                    sent += 1
                 if self.stream_interval_s:
                     await asyncio.sleep(self.stream_interval_s)
+            if sent > 0:
+                yield ChannelEnd(sent)
         except ChoiceFailed as exc:
             failure = exc.failure
             yield RequestRejected(failure.message, failure.param, failure.code, FAILURE_STATUS[failure.kind])
@@ -290,6 +311,7 @@ class EngineReplica:
             await asyncio.sleep(interval_s)
 
     def __del__(self) -> None:
+        self._links.close()
         self.engine.shutdown(timeout=5.0)
 
 

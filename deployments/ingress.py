@@ -13,13 +13,16 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import ray
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from ray.util import metrics
 
 from deployments import auth, limits
 from deployments import admin, timeline_recorder
@@ -27,7 +30,7 @@ from deployments.admin import ProfileReply
 from deployments.auth import require_admin_key, require_api_key
 from deployments.chat_template import render_chat
 from deployments.config import AppArgs
-from deployments.context import log_through_serve
+from deployments.context import log_through_serve, replica_id
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation, ReplicaLost
@@ -40,6 +43,7 @@ from deployments.protocol import (ChatCompletionRequest, CompletionRequest, Deto
 from deployments.records import EngineRequest
 from deployments.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from deployments.timeline import ROUTING_NOTES, TimelineView
+from deployments.token_channel import ChannelledStream, ChannelServer
 from deployments.tool_calls import NamedCallParser, ToolCallParser, forced_tool_output
 from deployments.tenant_limits import TenantLimitsMiddleware, current_lease
 from deployments.tenants import Tenant
@@ -83,6 +87,24 @@ def _tool_parser(choice: Any, parallel: bool) -> ToolParserFactory | None:
     return lambda: ToolCallParser(parallel)
 
 
+def _channel_counters() -> Callable[[int], None]:
+    """Counts what the token channel carries, per ingress replica (messages: about one per engine step and engine
+    replica; chunks: what Serve would otherwise have carried one by one)."""
+    tags = {"replica": replica_id()}
+    messages = metrics.Counter("tokenline_token_channel_messages",
+                               "Messages read from engine replicas over the token channel.", tag_keys=("replica",))
+    chunks = metrics.Counter("tokenline_token_channel_chunks",
+                             "Request chunks carried by the token channel's messages.", tag_keys=("replica",))
+    messages.set_default_tags(tags)
+    chunks.set_default_tags(tags)
+
+    def count(num_chunks: int) -> None:
+        messages.inc()
+        chunks.inc(num_chunks)
+
+    return count
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: AppArgs) -> None:
@@ -100,6 +122,9 @@ class OpenAIIngress:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._engine_answered_at = float("-inf")
+        self._channel: ChannelServer | None = None
+        self._channel_wanted = args.token_channel
+        self._channel_lock = asyncio.Lock()
         auth.configure(args.security)
         limits.configure(args.limits)
         self.timelines = timeline_recorder.configure(args.timeline, self.model_name)
@@ -286,7 +311,13 @@ class OpenAIIngress:
 
     async def _send(self, request: EngineRequest, body: SamplingFields, timeline: Any) -> Generation:
         stops, skip_special, n, prompts = request.sampling.stop, body.skip_special_tokens, request.n, request.prompts
-        generation = Generation(self._stream.generate.remote(request), n, [len(p) for p in prompts],
+        channel = await self._token_channel()
+        if channel is None:
+            responses = self._stream.generate.remote(request)
+        else:
+            responses = ChannelledStream(channel, lambda address, key: self._stream.generate.remote(
+                dataclasses.replace(request, channel=address, channel_key=key)))
+        generation = Generation(responses, n, [len(p) for p in prompts],
                                 lambda i: IncrementalDetokenizer(self.tokenizer, stops, prompts[i // n], skip_special),
                                 timeline)
         try:
@@ -295,6 +326,20 @@ class OpenAIIngress:
             generation.cancel()
             raise
         return generation
+
+    async def _token_channel(self) -> ChannelServer | None:
+        """This replica's token channel, started on first use; None when it is off or could not start."""
+        if self._channel is None and self._channel_wanted:
+            async with self._channel_lock:
+                if self._channel is None and self._channel_wanted:
+                    server = ChannelServer(ray.util.get_node_ip_address(), _channel_counters())
+                    try:
+                        await server.start()
+                        self._channel = server
+                    except OSError as exc:
+                        log.warning("the token channel could not start (%r); chunks stream through Serve", exc)
+                        self._channel_wanted = False
+        return self._channel
 
     async def _model_info(self) -> ModelInfo:
         if self._info is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deployments.token_channel import ChannelAddress
 from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
@@ -23,6 +24,8 @@ class EngineRequest:
     avoid_replicas: tuple[str, ...] = ()  # replicas that already failed this request: routed to last
     more_prompt_token_ids: list[list[int]] = field(default_factory=list)
     tenancy: Tenancy = DEFAULT_TENANCY  # tenant, weight, priority, cache salt (the router hashes with the salt)
+    channel: ChannelAddress | None = None  # the ingress's token channel: chunks after the first go there
+    channel_key: int = 0  # this request's key on it
 
     @property
     def prompts(self) -> list[list[int]]:

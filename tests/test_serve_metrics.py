@@ -97,3 +97,20 @@ def test_vllm_metric_set_and_http_metrics_are_exported(serve_app):
     assert ok and sum(s.value for s in ok) >= 1
     reasons = {s.labels.get("finished_reason") for s in samples(text, "ray_tokenline_request_success")}
     assert "length" in reasons
+
+
+def test_streamed_chunks_after_the_first_travel_over_the_token_channel(serve_app):
+    """One message per engine step per replica: a stream's chunks after the first come over the channel."""
+    messages = "ray_tokenline_token_channel_messages_total"
+    chunks = "ray_tokenline_token_channel_chunks_total"
+    before = {name: settled_total(serve_app, name) for name in (messages, chunks)}
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={"model": serve_app.model, "prompt": "Count: 1, 2,",
+                                                          "max_tokens": 8, "ignore_eos": True, "stream": True,
+                                                          "temperature": 0}) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    carried = settled_total(serve_app, chunks) - before[chunks]
+    assert 1 <= carried <= 7  # 8 tokens: the first chunk through Serve, the other 7 (merged or not) over the channel
+    assert 1 <= settled_total(serve_app, messages) - before[messages] <= carried

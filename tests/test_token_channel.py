@@ -1,0 +1,161 @@
+"""The token channel: an engine replica's chunks for one ingress, one message per loop turn, in order."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.token_channel import (ChannelAddress, ChannelBroken, ChannelEnd, ChannelLinks, ChannelServer,
+                                       ChannelledStream)
+
+
+class FakeServeStream:
+    """What Serve's DeploymentResponseGenerator gives the ingress: items, then the end (or an error)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def started() -> tuple[ChannelServer, ChannelLinks]:
+    server = ChannelServer("127.0.0.1")
+    await server.start()
+    return server, ChannelLinks()
+
+
+def open_stream(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStream, int]:
+    serve_stream, seen = FakeServeStream(), {}
+
+    def send(address: ChannelAddress, key: int) -> FakeServeStream:
+        seen["address"], seen["key"] = address, key
+        return serve_stream
+
+    stream = ChannelledStream(server, send)
+    assert seen["address"] == server.address
+    return stream, serve_stream, seen["key"]
+
+
+async def read_all(stream: ChannelledStream) -> list:
+    return [item async for item in stream]
+
+
+def test_chunks_after_the_first_come_over_the_channel_in_order_and_the_stream_then_ends():
+    async def main():
+        server, links = await started()
+        streams = [open_stream(server) for _ in range(3)]
+        link = await links.link(server.address)
+        assert link is not None
+        readers = []
+        for stream, serve_stream, _ in streams:
+            serve_stream.items.put_nowait("first")
+            readers.append(asyncio.create_task(read_all(stream)))
+        for step in range(5):  # one engine step: a chunk for each of the three requests, in one loop turn
+            for _, _, key in streams:
+                link.send(key, f"step {step}")
+            await asyncio.sleep(0.01)
+        for _, serve_stream, _ in streams:
+            serve_stream.items.put_nowait(ChannelEnd(5))
+            serve_stream.items.put_nowait(StopAsyncIteration())  # Serve's stream ends after the ChannelEnd
+        results = await asyncio.wait_for(asyncio.gather(*readers), 5)
+        assert results == [["first"] + [f"step {i}" for i in range(5)]] * 3
+        assert server.num_messages == 5  # three requests' chunks of a step in one message
+        assert server.num_streams == 0
+        links.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_the_serve_stream_may_say_it_is_done_before_the_channel_delivers():
+    async def main():
+        server, links = await started()
+        stream, serve_stream, key = open_stream(server)
+        serve_stream.items.put_nowait("first")
+        assert await stream.__anext__() == "first"
+        serve_stream.items.put_nowait(ChannelEnd(2))
+        serve_stream.items.put_nowait(StopAsyncIteration())
+        await asyncio.sleep(0.05)
+        assert server.num_streams == 1  # two messages still owed
+        reader = asyncio.create_task(read_all(stream))
+        link = await links.link(server.address)
+        link.send(key, "a")
+        await asyncio.sleep(0.01)
+        link.send(key, "b")
+        assert await asyncio.wait_for(reader, 5) == ["a", "b"]
+        assert server.num_streams == 0
+        links.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_without_the_channel_every_item_comes_through_serve():
+    async def main():
+        server, _ = await started()
+        stream, serve_stream, _ = open_stream(server)
+        for item in ("first", "second", StopAsyncIteration()):
+            serve_stream.items.put_nowait(item)
+        assert await asyncio.wait_for(read_all(stream), 5) == ["first", "second"]
+        assert server.num_streams == 0
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_serve_stream_is_raised_to_the_reader_and_cancel_cancels_it():
+    async def main():
+        server, _ = await started()
+        stream, serve_stream, _ = open_stream(server)
+        serve_stream.items.put_nowait("first")
+        assert await stream.__anext__() == "first"
+        serve_stream.items.put_nowait(RuntimeError("replica died"))
+        with pytest.raises(RuntimeError, match="replica died"):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        other, other_serve, _ = open_stream(server)
+        other.cancel()
+        assert other_serve.cancelled and server.num_streams == 0
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_the_token_is_closed_and_delivers_nothing():
+    async def main():
+        server, links = await started()
+        stream, serve_stream, key = open_stream(server)
+        wrong = ChannelAddress(server.address.host, server.address.port, b"x" * len(server.token))
+        link = await links.link(wrong)
+        link.send(key, "forged")
+        await asyncio.sleep(0.1)
+        assert server.num_messages == 0 and stream._queue.empty()
+        assert link.broken  # the ingress closed it
+        with pytest.raises(ChannelBroken):
+            link.send(key, "again")
+        stream.cancel()
+        links.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_ingress_means_no_link():
+    async def main():
+        server, links = await started()
+        address = server.address
+        await server.close()
+        assert await links.link(address) is None
+        assert await links.link(address) is None  # remembered, not retried at once
+
+    asyncio.run(main())
