@@ -213,6 +213,7 @@ class _Link:
         self._writer: asyncio.StreamWriter | None = None
         self._pending: list[tuple[int, Any]] = []
         self._flush_scheduled = False
+        self._watcher: asyncio.Task | None = None
         self.broken = False
 
     async def connect(self) -> None:
@@ -220,7 +221,7 @@ class _Link:
             asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
         writer.write(self.address.token)
         self._writer = writer
-        asyncio.get_running_loop().create_task(self._watch(reader))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(reader))  # held: the loop only weakly
 
     async def _watch(self, reader: asyncio.StreamReader) -> None:
         """The ingress never writes: end of file or an error here means the connection is gone."""

@@ -228,7 +228,7 @@ class LLMEngine:
     def _threads_for(self, prefill_tokens: int) -> Iterator[None]:
         """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while this process's
         other CPUs sat idle since the last such step (engine.idle_cpus); every other step on `num_threads`."""
-        borrow = self._idle_cpus is not None and (prefill_tokens >= PREFILL_BORROW_MIN_TOKENS)
+        borrow = self._idle_cpus is not None and prefill_tokens >= PREFILL_BORROW_MIN_TOKENS
         threads = torch.get_num_threads()
         extra = self.config.prefill_threads - threads if borrow else 0
         if extra <= 0 or self._idle_cpus.idle() - threads < extra * BORROW_IDLE_SHARE:
