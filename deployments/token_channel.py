@@ -144,8 +144,7 @@ class ChannelledStream:
         except BaseException:
             server.unregister(self._key)
             raise
-        self._first_read = False
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None  # reads the Serve stream once its first item is in
 
     def __aiter__(self) -> ChannelledStream:
         return self
@@ -161,9 +160,8 @@ class ChannelledStream:
             self._queue.put_nowait(("end", None))
 
     async def __anext__(self) -> Any:
-        if not self._first_read:  # Serve's first item: a refusal, the first chunks, or everything (no channel)
+        if self._reader is None:  # Serve's first item: a refusal, the first chunks, or everything (no channel)
             item = await self._responses.__anext__()
-            self._first_read = True
             self._reader = asyncio.create_task(self._read_serve_stream())
             return item
         while True:

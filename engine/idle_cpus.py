@@ -1,10 +1,11 @@
-"""How many of this process's CPUs sat idle lately, from /proc/stat: for a CPU engine replica that may lend a lone
-prefill the cores its neighbours are not using.
+"""How many of this process's CPUs other processes left idle lately, from /proc/stat: for a CPU engine replica that
+may lend a lone prefill the cores its neighbours are not using.
 
 A replica is given CPUs (Ray's `num_cpus`, one torch thread each); on a node where the other replicas and the
 serving processes are idle, a long prefill alone in its step runs about 1.7x faster on two threads (256 tokens of
 SmolLM2 here: 173 → 100 ms). Whether they are idle is read from the kernel's per-CPU idle time over the CPUs this
-process may run on (`os.sched_getaffinity`), since the last read. It reads the whole machine, not a container's CPU
+process may run on (`os.sched_getaffinity`), since the last read, plus this process's own CPU time over the same
+window (what it used, it could use again). It reads the whole machine, not a container's CPU
 quota: where a replica's CPUs are limited by a quota rather than a CPU set, leave `prefill_threads` unset.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 log = logging.getLogger(__name__)
 
 # A step with at least this many prompt tokens may borrow idle CPUs (EngineConfig.prefill_threads); each thread
-# beyond num_threads needs this much of a CPU idle on average since the last such step.
+# beyond num_threads needs this much of a CPU left idle by other processes on average since the last such step.
 PREFILL_BORROW_MIN_TOKENS = 64
 BORROW_IDLE_SHARE = 0.6
 PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
@@ -226,8 +226,9 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _threads_for(self, prefill_tokens: int) -> Iterator[None]:
-        """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while this process's
-        other CPUs sat idle since the last such step (engine.idle_cpus); every other step on `num_threads`."""
+        """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while other processes
+        left this process's CPUs idle since the last such step (engine.idle_cpus); every other step on
+        `num_threads`."""
         borrow = self._idle_cpus is not None and prefill_tokens >= PREFILL_BORROW_MIN_TOKENS
         threads = torch.get_num_threads()
         extra = self.config.prefill_threads - threads if borrow else 0
