@@ -20,7 +20,7 @@ from engine.attention import effective_block_size
 from engine.backlog import MIN_FINISHED, Backlog, Job, OutputLengths, StepCostModel
 from engine.config import EngineConfig, ModelArgs
 from engine.failures import EngineFatalError, FailureKind, RequestFailure, leaves_state_unknown
-from engine.idle_cpus import IdleCpus
+from engine.idle_cpus import EngineBoard, IdleCpus
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, open_checkpoint, read_generation_eos
 from engine.model_runner import ModelRunner
@@ -39,9 +39,11 @@ from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 log = logging.getLogger(__name__)
 
 # A step with at least this many prompt tokens may borrow idle CPUs (EngineConfig.prefill_threads); each thread
-# beyond num_threads needs this much of a CPU left idle by other processes on average since the last such step.
+# beyond num_threads needs this much of a CPU that other processes leave idle (engine.idle_cpus). At half a CPU,
+# a borrowed thread's even share of the step's work ends no later than the whole would on one thread, even if all
+# the other processes' load fell on its CPU.
 PREFILL_BORROW_MIN_TOKENS = 64
-BORROW_IDLE_SHARE = 0.6
+BORROW_IDLE_SHARE = 0.5
 PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
 
 
@@ -73,8 +75,12 @@ class LLMEngine:
         loaded = time.perf_counter()
         self.ranks: RankLauncher | None = None
         self.runner = self._start_runner(config, args, weights, ranks)
-        self._idle_cpus = (IdleCpus() if config.prefill_threads and config.device == "cpu"
-                           and config.tensor_parallel_size == 1 else None)
+        self._board = (EngineBoard() if config.prefill_threads and config.device == "cpu"
+                       and config.tensor_parallel_size == 1 else None)
+        self._idle_cpus = None
+        if self._board is not None:
+            self._board.publish(0)  # on the board from the start: a neighbour's first reading counts it
+            self._idle_cpus = IdleCpus(board=self._board)
         built = time.perf_counter()
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -137,6 +143,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do on one device)."""
+        if self._board is not None:
+            self._board.close()
         group = self.runner.group
         if group is None or self.ranks is None:
             return
@@ -193,6 +201,12 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the batch, update the requests from what it sampled, hand out their outputs."""
+        outputs = self._step()
+        if self._board is not None and not self.scheduler.has_unfinished():
+            self._board.publish(0)  # idle: its neighbours may borrow its CPUs
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         start, t0 = time.time(), time.perf_counter()
         outputs = self._fail_broken_grammars()
         try:
@@ -227,19 +241,23 @@ class LLMEngine:
     @contextlib.contextmanager
     def _threads_for(self, prefill_tokens: int) -> Iterator[None]:
         """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while other processes
-        left this process's CPUs idle since the last such step (engine.idle_cpus); every other step on
-        `num_threads`."""
+        leave this process's CPUs idle (engine.idle_cpus); every other step on `num_threads`. The board hears the
+        threads each step runs on."""
         borrow = self._idle_cpus is not None and prefill_tokens >= PREFILL_BORROW_MIN_TOKENS
         threads = torch.get_num_threads()
         extra = self.config.prefill_threads - threads if borrow else 0
         if extra <= 0 or self._idle_cpus.idle() - threads < extra * BORROW_IDLE_SHARE:
+            if self._board is not None:
+                self._board.publish(threads)
             yield
             return
+        self._board.publish(self.config.prefill_threads)
         torch.set_num_threads(self.config.prefill_threads)
         try:
             yield
         finally:
             torch.set_num_threads(threads)
+            self._board.publish(threads)
 
     def _sampled_output(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> EngineOutput:
         if request.is_finished:

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.idle_cpus import IdleCpus
+from engine.idle_cpus import CLOCK_TICKS, EngineBoard, IdleCpus
 from tests.tiny_models import tiny_llama_source
 
 
@@ -40,6 +44,65 @@ def test_idle_cpus_reads_what_others_left_of_this_process_cpus_since_the_last_re
     assert IdleCpus(str(tmp_path / "missing")).idle() == 0.0
 
 
+def write_proc_stat(proc, pid: int, cpu_s: float) -> None:
+    """/proc/PID/stat with utime = cpu_s (a name with a space and a parenthesis, as the kernel may write one)."""
+    (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+    ticks = int(cpu_s * CLOCK_TICKS)
+    (proc / str(pid) / "stat").write_text(f"{pid} (ray::Engine (x)) S 1 1 1 0 -1 0 0 0 0 0 {ticks} 0 0 0 20 0\n")
+
+
+def exited_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_engine_board_tells_each_engine_what_its_live_neighbours_run_on_now(tmp_path):
+    neighbour_pid = os.getppid()  # alive for as long as the test runs
+    mine, neighbour = EngineBoard(tmp_path), EngineBoard(tmp_path, pid=neighbour_pid)
+    mine.publish(1)
+    assert mine.others() == {}
+    neighbour.publish(2)
+    assert mine.others() == {neighbour_pid: 2} and neighbour.others() == {os.getpid(): 1}
+    neighbour.publish(0)
+    assert mine.others() == {neighbour_pid: 0}
+    gone = EngineBoard(tmp_path, pid=exited_pid())
+    gone.publish(1)
+    assert mine.others() == {neighbour_pid: 0}  # an engine whose process has ended is not counted, and its file goes
+    assert not (tmp_path / str(gone.pid)).exists()
+    neighbour.close()
+    assert mine.others() == {} and sorted(os.listdir(tmp_path)) == [str(os.getpid())]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    lone = EngineBoard(blocked / "board")  # a board that cannot be made: nobody is seen, publishing does nothing
+    lone.publish(1)
+    assert lone.others() == {}
+
+
+def test_a_neighbour_that_went_idle_counts_as_idle_although_it_kept_a_cpu_busy_over_the_window(tmp_path,
+                                                                                                monkeypatch):
+    stat, proc, board_dir = tmp_path / "stat", tmp_path / "proc", tmp_path / "board"
+    own = [0.0]
+    monkeypatch.setattr("engine.idle_cpus.time.process_time", lambda: own[0])
+    neighbour_pid = os.getppid()
+    mine, neighbour = EngineBoard(board_dir), EngineBoard(board_dir, pid=neighbour_pid)
+    neighbour.publish(1)
+    write_stat(stat, {0: (100, 100), 1: (100, 100)})
+    write_proc_stat(proc, neighbour_pid, 10.0)
+    probe = IdleCpus(str(stat), board=mine, proc=str(proc))
+    probe.cpus = {"cpu0", "cpu1"}
+    probe._last_at -= 1.0  # a one-second window: the neighbour ran one CPU (100 ticks), the serving 0.1 of the other
+    write_stat(stat, {0: (200, 100), 1: (110, 190)})
+    write_proc_stat(proc, neighbour_pid, 11.0)
+    assert probe.idle() == pytest.approx(0.9, abs=0.02)  # still running: what the window says
+    neighbour.publish(0)  # it has just finished its last request
+    assert probe.idle() == pytest.approx(1.9, abs=0.02)
+    neighbour.publish(2)  # it borrowed both CPUs meanwhile
+    assert probe.idle() == 0.0
+    mine.close()
+    neighbour.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
     return tiny_llama_source(tmp_path_factory.mktemp("tiny-llama"))
@@ -62,11 +125,13 @@ def test_long_prefill_runs_on_prefill_threads_only_while_the_other_cpus_are_idle
     execute = engine.runner.execute
     monkeypatch.setattr(engine.runner, "execute", lambda scheduled: (seen.append(torch.get_num_threads()),
                                                                      execute(scheduled))[1])
-    long_prompt, short_prompt = list(range(3, 103)), list(range(3, 13))
+    def long_prompt(first: int) -> list[int]:  # a new one each time: a cached prefix would leave little to prefill
+        return list(range(first, first + 100))
+
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     # FixedIdle: the CPUs this process could have had (its own thread's included)
-    for idle, prompt, expected in ((2.0, long_prompt, [2, 1]), (1.3, long_prompt, [1, 1]),
-                                   (2.0, short_prompt, [1, 1])):
+    for idle, prompt, expected in ((2.0, long_prompt(3), [2, 1]), (1.45, long_prompt(200), [1, 1]),
+                                   (1.55, long_prompt(400), [2, 1]), (2.0, list(range(3, 13)), [1, 1])):
         engine._idle_cpus = FixedIdle(idle)
         seen.clear()
         engine.generate([prompt], params)
