@@ -83,3 +83,32 @@ def test_packed_bf16_keys_give_the_same_attention_as_the_plain_layout(head_dim, 
     plain, _ = run_mixed_step(TorchAttention(9, 3, head_dim, block_size), torch.bfloat16, scale)
     torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prefill_as_token_rows_is_split_between_threads_by_work_with_the_same_result(dtype):
+    """Rows of a causal prefill grow in length: the kernel splits them by work, not by count; every row is its
+    own item, so any split gives the same bits."""
+    from engine import kernels
+
+    torch.manual_seed(0)
+    n, D, BS = 150, 64, 16
+    k_cache = torch.zeros(CpuAttention(9, 3, D, BS, dtype).key_cache_shape(16), dtype=dtype)
+    v_cache = torch.zeros(16, 3, BS, D, dtype=dtype)
+    q, k, v = torch.randn(n, 9, D, dtype=dtype), torch.randn(n, 3, D, dtype=dtype), torch.randn(n, 3, D, dtype=dtype)
+    blocks = torch.randperm(16)[:-(-n // BS)]
+    kernels.write_kv_cache(k, v, k_cache, v_cache, blocks.repeat_interleave(BS)[:n] * BS + torch.arange(n) % BS)
+    tables, lens = blocks.unsqueeze(0).expand(n, -1).contiguous(), torch.arange(1, n + 1)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out = torch.empty(n, 9 * D, dtype=dtype)
+            kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, D ** -0.5)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(outs[0].float(), dense_reference(q.float(), k.float(), v.float()), atol=tol, rtol=tol)

@@ -62,6 +62,30 @@ void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
+// Runs body(begin, end) over items [0, batch * num_kv_heads) split into ranges of about equal work, a sequence's
+// work being its length plus a fixed cost per item. The rows of a causal prefill grow in length: split by count,
+// the thread given the last rows would do most of the work (3/4 of it on two threads at 256 tokens).
+template <typename F>
+void parallel_over_sequences(int64_t batch, int64_t num_kv_heads, const int64_t* seq_lens, const F& body) {
+  constexpr int64_t kItemCost = 16;  // tokens' worth of work per item besides its keys and values
+  const int64_t items = batch * num_kv_heads;
+  const int64_t parts = std::min<int64_t>(items, 4 * static_cast<int64_t>(at::get_num_threads()));
+  if (parts <= 1) {
+    body(0, items);
+    return;
+  }
+  std::vector<int64_t> cum(items + 1, 0);  // cum[i]: the work of items before i
+  for (int64_t i = 0; i < items; ++i) cum[i + 1] = cum[i] + std::max<int64_t>(seq_lens[i / num_kv_heads], 0) + kItemCost;
+  const int64_t total = cum[items];
+  auto start_of = [&](int64_t part) {
+    return static_cast<int64_t>(std::lower_bound(cum.begin(), cum.end(), total * part / parts) - cum.begin());
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+    const int64_t begin = std::min(start_of(pb), items), end = pe == parts ? items : std::min(start_of(pe), items);
+    if (begin < end) body(begin, end);
+  });
+}
+
 template <typename scalar_t>
 void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, scalar_t* out, int64_t out_stride, int64_t batch, int64_t num_heads,
@@ -69,7 +93,7 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
                    int64_t head_dim, int64_t block_size, int64_t max_blocks, double scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_over_sequences(batch, num_kv_heads, seq_lens, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
@@ -258,7 +282,7 @@ void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k
                           int64_t max_blocks, double scale) {
   constexpr int64_t head_dim = 16 * NV;
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_over_sequences(batch, num_kv_heads, seq_lens, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
