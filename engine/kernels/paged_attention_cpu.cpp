@@ -185,8 +185,31 @@ void plain_key_scores(const scalar_t* q_heads, const scalar_t* k_cache, const Pa
 }
 
 #ifdef __AVX512BF16__
-// Pass 1, packed key layout: 16 tokens' scores per vdpbf16ps, in four independent chains (one chain would wait
-// on each instruction's latency). scores[g * row + t] for t < round_up(len, 16); lanes past len are never read.
+// Scores of GT query heads against 16 tokens: GT x 4 independent vdpbf16ps chains sharing each key load (one head's
+// 4 chains alone would wait on the instruction's latency more than they compute).
+template <int NV, int GT>
+inline void packed_chunk_scores(const uint32_t* kb, int64_t bs, const uint32_t* q_pairs, __m512 vscale, float* out,
+                                int64_t row) {
+  constexpr int64_t pairs = 8 * NV;  // head_dim / 2
+  __m512 acc[GT][4];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p += 4) {
+    __m512i kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kb + (p + c) * bs);
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < 4; ++c)
+        acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)kv[c],
+                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[g * pairs + p + c])));
+  }
+  for (int g = 0; g < GT; ++g) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3]));
+    _mm512_storeu_ps(out + g * row, _mm512_mul_ps(sum, vscale));
+  }
+}
+
+// Pass 1, packed key layout: 16 tokens' scores per vdpbf16ps, the group's heads in tiles of up to 4.
+// scores[g * row + t] for t < round_up(len, 16); lanes past len are never read.
 template <int NV>
 void packed_key_scores(const c10::BFloat16* q_heads, const c10::BFloat16* k_cache, const PagedSeq& seq,
                        int64_t group, float scale, float* scores, int64_t row) {
@@ -194,6 +217,7 @@ void packed_key_scores(const c10::BFloat16* q_heads, const c10::BFloat16* k_cach
   const int64_t bs = seq.block_size;
   const int64_t block_words = seq.num_kv_heads * pairs * bs;  // 32-bit words: a bf16 pair each
   const uint32_t* keys = reinterpret_cast<const uint32_t*>(k_cache) + seq.kv_head * pairs * bs;
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_heads);
   const __m512 vscale = _mm512_set1_ps(scale);
   const uint32_t* block_keys = keys;
   int64_t offset = bs, block = -1;  // counters instead of divisions
@@ -204,15 +228,15 @@ void packed_key_scores(const c10::BFloat16* q_heads, const c10::BFloat16* k_cach
       if (t0 + bs < seq.len) prefetch_block(keys + seq.table[block + 1] * block_words, pairs * bs * 4);
     }
     const uint32_t* kb = block_keys + offset;
-    for (int64_t g = 0; g < group; ++g) {
-      const uint32_t* qg = reinterpret_cast<const uint32_t*>(q_heads + g * 2 * pairs);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t p = 0; p < pairs; p += 4)
-        for (int c = 0; c < 4; ++c)
-          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(kb + (p + c) * bs),
-                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[p + c])));
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-      _mm512_storeu_ps(scores + g * row + t0, _mm512_mul_ps(sum, vscale));
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const uint32_t* qg = q_pairs + g0 * pairs;
+      float* out = scores + g0 * row + t0;
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: packed_chunk_scores<NV, 1>(kb, bs, qg, vscale, out, row); break;
+        case 2: packed_chunk_scores<NV, 2>(kb, bs, qg, vscale, out, row); break;
+        case 3: packed_chunk_scores<NV, 3>(kb, bs, qg, vscale, out, row); break;
+        default: packed_chunk_scores<NV, 4>(kb, bs, qg, vscale, out, row); break;
+      }
     }
   }
 }
