@@ -1,10 +1,11 @@
-"""Where an engine step's time goes, at decode batch 1 and 32: the step's own phases (scheduling, input
-preparation, forward, sampling, output handling, from the step trace), and the forward pass split by kind of
-operator (each projection, the LM head, attention, norms, RoPE, SiLU, the KV write), from the torch profiler.
+"""Where an engine step's time goes, at decode batch 1 and 32 and in a lone 256-token prefill: the step's own
+phases (scheduling, input preparation, forward, sampling, output handling, from the step trace), and the forward
+pass split by kind of operator (each projection, the LM head, attention, norms, RoPE, SiLU, the KV write), from
+the torch profiler.
 
-Random 256-token prompts, prefilled first; then decode steps are timed and profiled. Prints a table and writes
-JSON. For the serving path's share (proxy, ingress, Ray hops), `make bench-serve` reports CPU per output token by
-process.
+Random 256-token prompts, prefilled first; then decode steps are timed and profiled; then a lone prompt is
+prefilled in one step, several times. Prints a table and writes JSON. For the serving path's share (proxy,
+ingress, Ray hops), `make bench-serve` reports CPU per output token by process.
 
     python -m benchmarks.step_breakdown --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
@@ -53,6 +54,43 @@ def op_kind(name: str, shapes: list, kinds: dict[tuple[int, int], str]) -> str:
     return "other ops"
 
 
+def operator_split(prof, kinds: dict[tuple[int, int], str], measured_ms: float) -> dict[str, float]:
+    """The profiler's self time by kind of operator, scaled to `measured_ms` (the profiler slows every op by a
+    little: its shares are kept, its total is not)."""
+    self_us: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key.startswith(("tokenline::", "mkldnn::", "aten::")):
+            self_us[op_kind(event.key, event.input_shapes, kinds)] += event.self_cpu_time_total
+    total = sum(self_us.values()) or 1.0
+    return {k: v / total * measured_ms for k, v in sorted(self_us.items(), key=lambda kv: -kv[1])}
+
+
+def prefill_breakdown(engine: LLMEngine, length: int, steps: int, seed: int) -> dict:
+    """A lone prompt of `length` tokens prefilled in one step (no prefix cached), `steps` times."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompts = iter(random_prompts(2 * steps + 2, length, seed))
+
+    def one() -> None:
+        engine.add_request("prefill", next(prompts), params)
+        engine.step()
+        engine.abort("prefill")
+
+    one()  # warm
+    first = engine.stats().num_steps
+    for _ in range(steps):
+        one()
+    history = [s for s in engine.step_history if s.step > first]
+    med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
+           for k in ("schedule", "prepare", "forward", "sample")}
+    med["step"] = statistics.median(s.duration_s for s in history) * 1e3
+    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            one()
+    ops = operator_split(prof, linear_kinds(engine.model_args), med["forward"] + med["sample"])
+    return {"prefill_tokens": length, "phases_ms": med, "ops_ms": ops, "prefill_tok_s": length / med["step"] * 1e3}
+
+
 def breakdown(engine: LLMEngine, batch: int, steps: int, seed: int) -> dict:
     params = SamplingParams(max_tokens=steps * 2 + 8, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, 256, seed)):
@@ -69,20 +107,12 @@ def breakdown(engine: LLMEngine, batch: int, steps: int, seed: int) -> dict:
            for k in ("schedule", "prepare", "forward", "sample")}
     med["step"] = statistics.median(s.duration_s for s in history) * 1e3
     med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
-    kinds = linear_kinds(engine.model_args)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             engine.step()
-    self_us: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages(group_by_input_shape=True):
-        if event.key.startswith(("tokenline::", "mkldnn::", "aten::")):
-            self_us[op_kind(event.key, event.input_shapes, kinds)] += event.self_cpu_time_total
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    total = sum(self_us.values()) or 1.0
-    # The profiler slows every op by a little: its shares are scaled to the unprofiled forward + sampling time.
-    measured = med["forward"] + med["sample"]
-    ops = {k: v / total * measured for k, v in sorted(self_us.items(), key=lambda kv: -kv[1])}
+    ops = operator_split(prof, linear_kinds(engine.model_args), med["forward"] + med["sample"])
     return {"batch": batch, "phases_ms": med, "ops_ms": ops, "decode_tok_s": batch / med["step"] * 1e3}
 
 
@@ -91,6 +121,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prefill-len", type=int, default=256, help="also a lone prefill of this many tokens (0: no)")
+    parser.add_argument("--prefill-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
     parser.add_argument("--out", default="results/step_breakdown.json")
     args = parser.parse_args()
@@ -98,6 +130,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads),
                        source=load_model_source(args.model))
     results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
+    prefill = prefill_breakdown(engine, args.prefill_len, args.prefill_steps, seed=7) if args.prefill_len else None
     print(f"\nattention backend {engine.runner.attention_backend}, linears {engine.runner.linear_packing}, "
           f"{torch.get_num_threads()} threads; milliseconds per decode step (median of {args.steps})")
     for r in results:
@@ -105,11 +138,17 @@ def main() -> None:
         print(f"\nbatch {r['batch']}: {phases['step']:.2f} ms a step, {r['decode_tok_s']:.0f} decode tok/s")
         print("  " + ", ".join(f"{k} {phases[k]:.2f}" for k in PHASES))
         print("  forward + sampling by operator: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ops_ms"].items()))
+    if prefill:
+        phases = prefill["phases_ms"]
+        print(f"\nprefill of {prefill['prefill_tokens']} tokens alone: {phases['step']:.2f} ms a step, "
+              f"{prefill['prefill_tok_s']:.0f} prefill tok/s (median of {args.prefill_steps})")
+        print("  " + ", ".join(f"{k} {phases[k]:.2f}" for k in PHASES))
+        print("  forward + sampling by operator: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill["ops_ms"].items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": torch.get_num_threads(), "attention_backend":
                                engine.runner.attention_backend, "linears": engine.runner.linear_packing,
-                               "results": results}, indent=2))
+                               "results": results, "prefill": prefill}, indent=2))
     print(f"wrote {out}")
 
 
