@@ -65,6 +65,23 @@ def operator_split(prof, kinds: dict[tuple[int, int], str], measured_ms: float) 
     return {k: v / total * measured_ms for k, v in sorted(self_us.items(), key=lambda kv: -kv[1])}
 
 
+def timed_and_profiled(engine: LLMEngine, run_once, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """`run_once` (one engine step, with whatever it sets up) `steps` times for the phases (medians from the step
+    records, ms), then `steps` times under the profiler for the operators."""
+    first = engine.stats().num_steps
+    for _ in range(steps):
+        run_once()
+    history = [s for s in engine.step_history if s.step > first]
+    med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
+           for k in ("schedule", "prepare", "forward", "sample")}
+    med["step"] = statistics.median(s.duration_s for s in history) * 1e3
+    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            run_once()
+    return med, operator_split(prof, linear_kinds(engine.model_args), med["forward"] + med["sample"])
+
+
 def prefill_breakdown(engine: LLMEngine, length: int, steps: int, seed: int) -> dict:
     """A lone prompt of `length` tokens prefilled in one step (no prefix cached), `steps` times."""
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -76,18 +93,7 @@ def prefill_breakdown(engine: LLMEngine, length: int, steps: int, seed: int) -> 
         engine.abort("prefill")
 
     one()  # warm
-    first = engine.stats().num_steps
-    for _ in range(steps):
-        one()
-    history = [s for s in engine.step_history if s.step > first]
-    med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
-           for k in ("schedule", "prepare", "forward", "sample")}
-    med["step"] = statistics.median(s.duration_s for s in history) * 1e3
-    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            one()
-    ops = operator_split(prof, linear_kinds(engine.model_args), med["forward"] + med["sample"])
+    med, ops = timed_and_profiled(engine, one, steps)
     return {"prefill_tokens": length, "phases_ms": med, "ops_ms": ops, "prefill_tok_s": length / med["step"] * 1e3}
 
 
@@ -99,20 +105,9 @@ def breakdown(engine: LLMEngine, batch: int, steps: int, seed: int) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
-    first = engine.stats().num_steps
-    for _ in range(steps):
-        engine.step()
-    history = [s for s in engine.step_history if s.step > first]
-    med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
-           for k in ("schedule", "prepare", "forward", "sample")}
-    med["step"] = statistics.median(s.duration_s for s in history) * 1e3
-    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            engine.step()
+    med, ops = timed_and_profiled(engine, engine.step, steps)
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    ops = operator_split(prof, linear_kinds(engine.model_args), med["forward"] + med["sample"])
     return {"batch": batch, "phases_ms": med, "ops_ms": ops, "decode_tok_s": batch / med["step"] * 1e3}
 
 
