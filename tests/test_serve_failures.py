@@ -81,11 +81,16 @@ class Background:
         return self.outcomes
 
 
-def wait_until_busy(serve_app, min_running: int, timeout_s: float = 60) -> list:
+def wait_until_busy(serve_app, min_running: int, timeout_s: float = 60, since: dict | None = None) -> list:
+    """Until the engine replicas run `min_running` requests between them. With `since` (each replica's
+    generation tokens before the load), also until every replica has made two tokens per request it runs: its
+    streams have had their first token, so a request cut now fails rather than being retried elsewhere."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = serve_app.engine_replica_stats()
-        if sum(s.num_running for s in stats) >= min_running:
+        decoding = since is None or all(s.num_generation_tokens - since.get(s.replica_id, 0) >= 2 * s.num_running
+                                        for s in stats)
+        if sum(s.num_running for s in stats) >= min_running and decoding:
             return stats
         time.sleep(0.1)
     raise TimeoutError("the engine replicas never got busy")
@@ -101,8 +106,9 @@ def test_killed_engine_replica_fails_its_requests_cleanly_and_is_replaced(serve_
     assert len(wait_until_idle(serve_app, 60)) == 2
     pids = replica_pids(ENGINE)
     assert len(pids) == 2
+    made = {s.replica_id: s.num_generation_tokens for s in serve_app.engine_replica_stats()}
     load = Background(serve_app.base_url, serve_app.model, 16, 400)
-    stats = wait_until_busy(serve_app, 8)
+    stats = wait_until_busy(serve_app, 8, since=made)
     victim = max(stats, key=lambda s: s.num_running).replica_id
     os.kill(pids[victim], signal.SIGKILL)
     # Straight after the kill, new requests go to the live replica: none waits on or fails for the dead one.
