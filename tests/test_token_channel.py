@@ -29,10 +29,20 @@ class FakeServeStream:
         self.cancelled = True
 
 
-async def started() -> tuple[ChannelServer, ChannelLinks]:
-    server = ChannelServer("127.0.0.1")
-    await server.start()
-    return server, ChannelLinks()
+def run_with_channel(test) -> None:
+    """Runs `await test(server, links)` with an ingress's channel server started and an engine replica's links,
+    and closes both after."""
+    async def main():
+        server = ChannelServer("127.0.0.1")
+        await server.start()
+        links = ChannelLinks()
+        try:
+            await test(server, links)
+        finally:
+            links.close()
+            await server.close()
+
+    asyncio.run(main())
 
 
 def open_stream(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStream, int]:
@@ -47,13 +57,20 @@ def open_stream(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStrea
     return stream, serve_stream, seen["key"]
 
 
+async def past_the_first_item(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStream, int]:
+    """A stream whose first item (through Serve, as always) has been read."""
+    stream, serve_stream, key = open_stream(server)
+    serve_stream.items.put_nowait("first")
+    assert await stream.__anext__() == "first"
+    return stream, serve_stream, key
+
+
 async def read_all(stream: ChannelledStream) -> list:
     return [item async for item in stream]
 
 
 def test_chunks_after_the_first_come_over_the_channel_in_order_and_the_stream_then_ends():
-    async def main():
-        server, links = await started()
+    async def body(server, links):
         streams = [open_stream(server) for _ in range(3)]
         link = await links.link(server.address)
         assert link is not None
@@ -72,18 +89,13 @@ def test_chunks_after_the_first_come_over_the_channel_in_order_and_the_stream_th
         assert results == [["first"] + [f"step {i}" for i in range(5)]] * 3
         assert server.num_messages == 5  # three requests' chunks of a step in one message
         assert server.num_streams == 0
-        links.close()
-        await server.close()
 
-    asyncio.run(main())
+    run_with_channel(body)
 
 
 def test_the_serve_stream_may_say_it_is_done_before_the_channel_delivers():
-    async def main():
-        server, links = await started()
-        stream, serve_stream, key = open_stream(server)
-        serve_stream.items.put_nowait("first")
-        assert await stream.__anext__() == "first"
+    async def body(server, links):
+        stream, serve_stream, key = await past_the_first_item(server)
         serve_stream.items.put_nowait(ChannelEnd(2))
         serve_stream.items.put_nowait(StopAsyncIteration())
         await asyncio.sleep(0.05)
@@ -95,45 +107,36 @@ def test_the_serve_stream_may_say_it_is_done_before_the_channel_delivers():
         link.send(key, "b")
         assert await asyncio.wait_for(reader, 5) == ["a", "b"]
         assert server.num_streams == 0
-        links.close()
-        await server.close()
 
-    asyncio.run(main())
+    run_with_channel(body)
 
 
 def test_without_the_channel_every_item_comes_through_serve():
-    async def main():
-        server, _ = await started()
+    async def body(server, links):
         stream, serve_stream, _ = open_stream(server)
         for item in ("first", "second", StopAsyncIteration()):
             serve_stream.items.put_nowait(item)
         assert await asyncio.wait_for(read_all(stream), 5) == ["first", "second"]
         assert server.num_streams == 0
-        await server.close()
 
-    asyncio.run(main())
+    run_with_channel(body)
 
 
 def test_a_failed_serve_stream_is_raised_to_the_reader_and_cancel_cancels_it():
-    async def main():
-        server, _ = await started()
-        stream, serve_stream, _ = open_stream(server)
-        serve_stream.items.put_nowait("first")
-        assert await stream.__anext__() == "first"
+    async def body(server, links):
+        stream, serve_stream, _ = await past_the_first_item(server)
         serve_stream.items.put_nowait(RuntimeError("replica died"))
         with pytest.raises(RuntimeError, match="replica died"):
             await asyncio.wait_for(stream.__anext__(), 5)
         other, other_serve, _ = open_stream(server)
         other.cancel()
         assert other_serve.cancelled and server.num_streams == 0
-        await server.close()
 
-    asyncio.run(main())
+    run_with_channel(body)
 
 
 def test_a_connection_without_the_token_is_closed_and_delivers_nothing():
-    async def main():
-        server, links = await started()
+    async def body(server, links):
         stream, serve_stream, key = open_stream(server)
         wrong = ChannelAddress(server.address.host, server.address.port, b"x" * len(server.token))
         link = await links.link(wrong)
@@ -144,18 +147,15 @@ def test_a_connection_without_the_token_is_closed_and_delivers_nothing():
         with pytest.raises(ChannelBroken):
             link.send(key, "again")
         stream.cancel()
-        links.close()
-        await server.close()
 
-    asyncio.run(main())
+    run_with_channel(body)
 
 
 def test_an_unreachable_ingress_means_no_link():
-    async def main():
-        server, links = await started()
+    async def body(server, links):
         address = server.address
         await server.close()
         assert await links.link(address) is None
         assert await links.link(address) is None  # remembered, not retried at once
 
-    asyncio.run(main())
+    run_with_channel(body)
