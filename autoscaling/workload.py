@@ -5,6 +5,7 @@ real benchmark run of the same settings see the same requests.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from autoscaling.step_model import StepTimeModel
 from loadtests.arrivals import arrival_offsets
 from loadtests.datasets import TraceConfig, load_trace, sample_lengths, scaled_input_length, trace_window
 
@@ -145,3 +147,28 @@ class ShapedWorkload:
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, cap: int) -> int:
     sigma = np.sqrt(np.log(1 + cv * cv))
     return int(min(cap, max(1, round(rng.lognormal(np.log(mean) - sigma * sigma / 2, sigma)))))
+
+
+# The shaped workloads' base rate, in replicas' worth of work at full use: their shapes then span one replica to
+# several (bursts of 2.5x need about four at the SLO) whatever the replica profile's speed.
+REPLICAS_OF_WORK = 1.5
+
+
+def saturation_rate(model: StepTimeModel, requests: list[RequestSpec]) -> float:
+    """Requests per second that keep one replica busy all the time: the step model's seconds of work per request
+    (its prefill, and each output token's share of a decode step at its context), base left out."""
+    work = 0.0
+    for r in requests:
+        prefill = model.seconds(r.prompt_tokens, 0, 0, r.prompt_tokens * r.prompt_tokens / 2e6) - model.base
+        context = r.prompt_tokens + r.output_tokens / 2
+        work += prefill + r.output_tokens * (model.seconds(0, 1, int(context), 0.0) - model.base)
+    return len(requests) / work
+
+
+def scaled_to(model: StepTimeModel, shape: ShapedWorkload) -> ShapedWorkload:
+    """The shape with its base rate set to `REPLICAS_OF_WORK` replicas' worth of work on replicas of `model`; the
+    work per request is read off the shape's own lengths, drawn with a seed of their own (no run's requests)."""
+    sample = ShapedWorkload("steps", duration_s=4000.0, rate=1.0, input_mean=shape.input_mean, input_cv=shape.input_cv,
+                            output_mean=shape.output_mean, output_cv=shape.output_cv, max_input=shape.max_input,
+                            max_output=shape.max_output, seed=1).requests()
+    return dataclasses.replace(shape, rate=REPLICAS_OF_WORK * saturation_rate(model, sample))

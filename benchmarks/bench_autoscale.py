@@ -1,11 +1,13 @@
 """Autoscaling policies, simulated on workloads none of them was fitted to: replica-seconds at equal goodput.
 
 Workloads: each half of the Mooncake trace (8 tokens per hash id, on its own clock), and three synthetic ones
-(autoscaling.workload.ShapedWorkload, seed 0): steps, bursts and a daily cycle. The SLO policy's fitted default
-(its forecaster's time constants) came from other seeds of the synthetic shapes (benchmarks/fit_forecast.py);
-the queue + KV policy's waiting marks from the trace's first half. Each run starts `WARMUP_S` before the window it
-is judged on (the second half's run starts in the first half; the first half's run and the synthetic ones start
-with the workload and are judged from `WARMUP_S` on), so every policy meets the window with its own count.
+(autoscaling.workload.ShapedWorkload, seed 0): steps, bursts and a daily cycle, their base rate 1.5 replicas' worth
+of work on the profile's replicas (autoscaling.workload.scaled_to), so that they span one replica to several. The
+SLO policy's fitted default (its forecaster's time constants) came from other seeds of the synthetic shapes
+(benchmarks/fit_forecast.py); the queue + KV policy's waiting marks from the trace's first half. Each run starts
+`WARMUP_S` before the window it is judged on (the second half's run starts in the first half; the first half's run
+and the synthetic ones start with the workload and are judged from `WARMUP_S` on), so every policy meets the window
+with its own count.
 
 Policies, on replicas of the recorded profile, with AppArgs' Serve delays and at most `--max-replicas` each:
 the SLO policy (autoscaling.slo_policy, its defaults, the SLO below), the queue + KV policy (its defaults), and
@@ -41,7 +43,7 @@ from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulate import parse_policy
 from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
-from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload
+from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload, scaled_to
 from deployments.autoscaling_config import AutoscalingArgs
 from loadtests.datasets import MOONCAKE_TRACE
 from loadtests.plot import pyplot, save_figure
@@ -69,7 +71,7 @@ class Case:
     end_s: float
 
 
-def cases(trace: Path, block_size: int) -> list[Case]:
+def cases(trace: Path, block_size: int, profile: ReplicaProfile) -> list[Case]:
     rows = TraceWorkload(str(trace), block_size).requests()
     middle = rows[-1].arrival_s / 2
     shift = middle - WARMUP_S
@@ -77,7 +79,7 @@ def cases(trace: Path, block_size: int) -> list[Case]:
     out = [Case("mooncake first half", [r for r in rows if r.arrival_s < middle], WARMUP_S, middle),
            Case("mooncake second half", second, WARMUP_S, rows[-1].arrival_s - shift)]
     for shape in SHAPES:
-        workload = ShapedWorkload(shape, seed=0)
+        workload = scaled_to(profile.step_model, ShapedWorkload(shape, seed=0))
         out.append(Case(f"synthetic {shape}", workload.requests(), WARMUP_S, workload.duration_s))
     return out
 
@@ -173,7 +175,7 @@ def main() -> None:
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
     slo = SLO(args.slo_ttft_s, args.slo_itl_s, args.slo_percentile)
-    workloads = cases(args.trace, args.block_size)
+    workloads = cases(args.trace, args.block_size, profile)
     curve_names = [f"ongoing_requests:{t}" for t in TARGETS]
     delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
     jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from autoscaling.policy import QueueKVConfig
@@ -14,7 +15,8 @@ from autoscaling.report import SLO, summarize
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile, StepSample, StepTimeModel
-from autoscaling.workload import RequestSpec, SyntheticWorkload, TraceWorkload
+from autoscaling.workload import (REPLICAS_OF_WORK, RequestSpec, ShapedWorkload, SyntheticWorkload, TraceWorkload,
+                                saturation_rate, scaled_to)
 from loadtests.datasets import MOONCAKE_TRACE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +144,21 @@ def test_engine_shape_of_the_recorded_profile_is_the_apps():
     assert PROFILE.engine == EngineShape(block_size=16, num_kv_blocks=PROFILE.engine.num_kv_blocks,
                                          max_num_batched_tokens=2048, max_num_seqs=64)
     assert PROFILE.engine.num_kv_blocks > 1000  # 512 MiB of KV, as serve_config.yaml gives each replica
+
+
+def test_a_lone_replica_offered_its_saturation_rate_keeps_up_below_it_and_falls_behind_above_it():
+    """The synthetic workloads' rate is set in replicas' worth of work (autoscaling.workload.scaled_to): at the
+    saturation rate the step model reads off the mix, one replica is busy all the time."""
+    lengths = ShapedWorkload("steps", duration_s=600.0, rate=1.0, seed=5).requests()[:800]
+    saturation = saturation_rate(PROFILE.step_model, lengths)
+
+    def last_wait(share: float) -> float:
+        gaps = np.random.default_rng(3).exponential(1 / (share * saturation), len(lengths))
+        replay = [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(lengths, np.cumsum(gaps))]
+        done = simulate(replay, PROFILE, OngoingRequestsPolicy(), single_replica()).requests[-100:]
+        return float(np.median([r.first_token_s - r.spec.arrival_s for r in done]))
+
+    assert last_wait(0.6) < 1.0  # keeps up: the last requests wait no longer than a few steps
+    assert last_wait(1.2) > 20.0  # falls behind: the queue grew all along
+    scaled = scaled_to(PROFILE.step_model, ShapedWorkload("bursts", seed=5))
+    assert scaled.rate == pytest.approx(REPLICAS_OF_WORK * saturation, rel=0.1)
