@@ -1,12 +1,15 @@
-"""The share of capacity the SLO policy keeps free: what its forecast cannot foresee, at the SLO's percentile.
+"""What the SLO policy holds beyond its forecast: what the forecast cannot foresee, at the SLO's percentile.
 
 The policy watches its own plans come true. Every `SAMPLE_S` it notes what it planned for (the load it asked
-replicas for) and the smoothed load; one lead time later, the smoothed load over the plan is how far the load
-outgrew the plan in the time a replica takes to arrive. The headroom is that ratio at the SLO's percentile over
-the last `HISTORY_S` (never below 1): bursty or rising loads earn a larger one, steady ones none. Until it has
-`MIN_SAMPLES` such ratios, the prior: arrivals over a lead time are Poisson and each brings a random amount of
-work, so the work arriving spreads by `sqrt((1 + cv^2) / (arrivals per second * lead time))` around its mean,
-taken at the percentile (a normal quantile) with cv^2 = 1 (work spread like an exponential).
+replicas for) and the smoothed load; one lead time later, the smoothed load less the plan is how far the load
+outgrew the plan in the time a replica takes to arrive. The surprise is that excess at the SLO's percentile over
+the last `HISTORY_S` (never below 0), in tokens/s, held on top of the plan up to the highest load of the history:
+bursty or stepping loads earn capacity held for their next burst, steady ones none, and a load at its peak needs
+none beyond it. (A ratio of load to plan, as first built, multiplied a burst's height onto the burst itself: 12
+replicas for a load 5 covered.) Until it has `MIN_SAMPLES` such excesses, the prior, a share of capacity: arrivals
+over a lead time are Poisson and each brings a random amount of work, so the work arriving spreads by
+`sqrt((1 + cv^2) / (arrivals per second * lead time))` around its mean, taken at the percentile (a normal
+quantile) with cv^2 = 1 (work spread like an exponential).
 
 The history lives in the policy's state (Serve's `policy_state`): at most `HISTORY_S / SAMPLE_S` rows.
 """
@@ -35,22 +38,27 @@ def prior_headroom(arrivals_per_s: float, lead_s: float, percentile: float) -> f
     return min(MAX_PRIOR, z * spread / (1 + z * spread))
 
 
-def observed_headroom(state: dict[str, Any], now: float, planned: float, level: float, lead_s: float,
+def observed_surprise(state: dict[str, Any], now: float, planned: float, level: float, lead_s: float,
                       percentile: float) -> float | None:
-    """Records this decision's plan and load in `state`; returns the headroom the history shows, or None while it
-    is too short."""
+    """Records this decision's plan and load in `state`; returns the tokens/s to hold beyond `planned`, or None
+    while the history is too short.
+
+    That is how far the load outgrew the plans one lead time later, at the percentile, in tokens/s (a burst adds
+    its height whatever the level it starts from), and never past the highest load of the history: a load already
+    at its peak has no burst left to meet."""
     history = [row for row in state.get("plans", []) if now - row[0] <= HISTORY_S]
     if not history or now - history[-1][0] >= SAMPLE_S:
         history.append((now, planned, level))
     state["plans"] = history
-    ratios = []
+    excesses = []
     later = 0
     for at, plan, _ in history:
         while later < len(history) and history[later][0] < at + lead_s:
             later += 1
         if later == len(history):
             break
-        ratios.append(history[later][2] / max(plan, 1e-9))
-    if len(ratios) < MIN_SAMPLES:
+        excesses.append(history[later][2] - plan)
+    if len(excesses) < MIN_SAMPLES:
         return None
-    return 1 - 1 / max(1.0, float(np.quantile(ratios, percentile)))
+    peak = max(row[2] for row in history)
+    return min(max(0.0, float(np.quantile(excesses, percentile))), max(0.0, peak - planned))

@@ -3,6 +3,7 @@ of a surge, back after it, and from zero replicas."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +14,7 @@ from autoscaling.capacity import SLO, CapacityModel, RequestSizes
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.signals import DeploymentSignals, ReplicaSignals
 from autoscaling.simulator import ClusterConfig, SLOSimPolicy, simulate
-from autoscaling.headroom import MIN_SAMPLES, SAMPLE_S, observed_headroom, prior_headroom
+from autoscaling.headroom import MIN_SAMPLES, SAMPLE_S, observed_surprise, prior_headroom
 from autoscaling.slo_policy import STATE_KEY, SLOConfig, SLOPolicy, lead_time_s, slo_decision
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import RequestSpec, ShapedWorkload
@@ -130,18 +131,38 @@ def test_before_it_has_seen_its_plans_come_true_the_headroom_is_the_poisson_spre
     assert prior_headroom(2.0, 30.0, 0.99) > prior_headroom(2.0, 30.0, 0.9)
 
 
-def test_the_headroom_is_how_far_the_load_outgrew_the_plans_one_lead_time_later_at_the_percentile():
+def test_the_surprise_is_how_far_the_load_outgrew_the_plans_one_lead_time_later_at_the_percentile():
     state: dict = {}
     lead = 30.0
-    steady = [observed_headroom(state, i * SAMPLE_S, 100.0, 100.0, lead, 0.95) for i in range(60)]
-    assert steady[MIN_SAMPLES] is None and steady[-1] == 0.0  # no surprise: no headroom
+    steady = [observed_surprise(state, i * SAMPLE_S, 100.0, 100.0, lead, 0.95) for i in range(60)]
+    assert steady[MIN_SAMPLES] is None and steady[-1] == 0.0  # no surprise: nothing held
     bursty: dict = {}
-    for i in range(240):  # one 30 s burst of twice the load every 4 minutes, unforeseen each time
-        load = 200.0 if (i * SAMPLE_S) % 240 < 30 else 100.0
-        headroom = observed_headroom(bursty, i * SAMPLE_S, 100.0, load, lead, 0.95)
-    assert headroom == pytest.approx(0.5)  # 1 - 1 / 2: the bursts are more than 5% of the time
-    assert headroom == observed_headroom(bursty, 239 * SAMPLE_S + 1.0, 100.0, 100.0, lead, 0.95)
+    for i in range(240):  # one 30 s burst of three times the load every 4 minutes, unforeseen each time
+        load = 300.0 if (i * SAMPLE_S) % 240 < 30 else 100.0
+        surprise = observed_surprise(bursty, i * SAMPLE_S, 100.0, load, lead, 0.95)
+    assert surprise == pytest.approx(200.0)  # the burst's height: the bursts are more than 5% of the time
+    # Planning for the burst's level already, only what the history's peak is above it is held.
+    assert observed_surprise(bursty, 239 * SAMPLE_S + 1.0, 250.0, 300.0, lead, 0.95) == pytest.approx(50.0)
+    assert observed_surprise(bursty, 239 * SAMPLE_S + 2.0, 300.0, 300.0, lead, 0.95) == 0.0
     assert len(bursty["plans"]) <= 1200.0 / SAMPLE_S + 1
+
+
+def test_between_bursts_it_holds_capacity_for_the_next_one_and_within_a_burst_no_more_than_the_burst_needs():
+    config = SLOConfig()  # the observed surprise, not a stated headroom
+
+    def watched(burst_load: float) -> dict:
+        state: dict = {}
+        for t in range(0, 1200, 5):  # 30 s bursts every 4 minutes over 400 tok/s, on 8 replicas
+            load = burst_load if t % 240 < 30 else 400.0
+            state = slo_decision(signals([replica(load / 8)] * 8, now=float(t), high=12), config, state).state
+        return state
+
+    bursty, steady = watched(2000.0), watched(400.0)
+    quiet = [replica(400.0 / 8)] * 8
+    assert (slo_decision(signals(quiet, now=1200.0, high=12), config, bursty).num_replicas
+            > slo_decision(signals(quiet, now=1200.0, high=12), config, steady).num_replicas + 1)
+    burst = slo_decision(signals([replica(2000.0 / 8)] * 8, now=1200.0, high=12), config, bursty)
+    assert burst.num_replicas <= math.ceil(2000.0 / CAPACITY) + 1  # not a burst's height again on top
 
 
 def test_serve_adapter_reads_capacity_from_aggregated_metrics_and_keeps_its_state_under_its_key():
