@@ -119,10 +119,12 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=256, help="also a lone prefill of this many tokens (0: no)")
     parser.add_argument("--prefill-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only linears")
     parser.add_argument("--out", default="results/step_breakdown.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads),
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads,
+                                    quantization=args.quantization),
                        source=load_model_source(args.model))
     results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
     prefill = prefill_breakdown(engine, args.prefill_len, args.prefill_steps, seed=7) if args.prefill_len else None

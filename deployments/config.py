@@ -34,7 +34,8 @@ def served_name(model_path: str | Path) -> str:
 DERIVED_ENGINE_FIELDS = frozenset({"model", "device", "step_history", "record_request_events", "extra"})
 # What the border adds to EngineConfig's own fields (their defaults live there): narrower types, bounds, help.
 _BORDER_TYPES: dict[str, Any] = {"dtype": Literal["bfloat16", "float32", "float16"],
-                                 "attention_backend": Literal["auto", "torch", "cpu", "triton", "flash-attn"]}
+                                 "attention_backend": Literal["auto", "torch", "cpu", "triton", "flash-attn"],
+                                 "quantization": Literal["int8"] | None}
 _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     # A served engine bounds its queue by default; an engine used alone does not.
     "max_num_waiting": dict(default=256, ge=0, description="requests queued in the engine, not running yet; past it "
@@ -49,6 +50,8 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     "shm_collectives": dict(description="tensor parallelism on CPU: all-reduces through shared memory (native "
                                         "kernel), not gloo"),
     "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
+    "quantization": dict(description="CPU: int8 weight-only linears (half the bytes per decode step, an accuracy "
+                                     "cost: README); unset: bf16 weights"),
     "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
                                               "process's other CPUs sit idle (None: num_threads always)"),
     "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "

@@ -94,6 +94,9 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+QUANTIZATIONS = ("int8",)  # weight-only, CPU (engine.models.layers.quantize_int8)
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine replica needs to start. Sizes are in tokens unless named otherwise."""
@@ -119,6 +122,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
+    # CPU: "int8" stores the linears' weights as int8 with one scale per output row (weight-only; activations stay
+    # bf16): half the bytes a decode step reads, at an accuracy cost (README). None: bf16 weights.
+    quantization: str | None = None
     num_threads: int | None = None
     # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);
     # None: num_threads for every step.
@@ -151,6 +157,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if not (self.fair_share_prompt_weight >= 0 and self.fair_share_output_weight >= 0):
             raise ValueError("fair_share_prompt_weight and fair_share_output_weight must be >= 0")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATIONS)} (or unset: bf16 weights)")
         resolve_dtype(self.dtype)
 
     @property

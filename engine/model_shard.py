@@ -47,7 +47,8 @@ class ModelShard:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if backend.name == "cpu":
             self.model.use_cpu_kernels()
-        self.linear_packing = select_linear_packing(self.device, self.dtype, config.prepack_weights)
+        self.linear_packing = select_linear_packing(self.device, self.dtype, config.prepack_weights,
+                                                    config.quantization)
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
         if group is not None:

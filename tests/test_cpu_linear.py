@@ -1,4 +1,5 @@
-"""The native bf16 linear (packed weights, AVX512-BF16 dot products) against F.linear, and its fallbacks."""
+"""The native bf16 linear (packed weights, AVX512-BF16 dot products) against F.linear, and its fallbacks; its int8
+weights against their dequantized values, and what they cost the default model in accuracy."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import native_linear_available
-from engine.models.layers import Linear, select_linear_packing
+from engine.config import EngineConfig
+from engine.models.layers import Linear, quantize_int8, select_linear_packing
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
                                   reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the native linear "
@@ -83,3 +85,71 @@ def test_every_packing_gives_the_same_layer_output():
         except (AttributeError, RuntimeError):  # oneDNN's private ops missing in this torch build
             continue
         torch.testing.assert_close(out, reference, atol=3e-2, rtol=2e-2)
+
+
+def dequantized(layer: Linear) -> torch.Tensor:
+    """The int8 layer's weights as the kernel multiplies them: q * scale, in fp32, [N, K]."""
+    blocks, pairs = layer.packed.shape[:2]
+    q = layer.packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+    return (q.float() * layer.scales[:, None])[:layer.out_features]
+
+
+def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
+    weight = (torch.randn(50, 64) * 0.05).to(torch.bfloat16)
+    weight[3] = 0  # an all-zero row gets a usable scale
+    packed, scales = quantize_int8(weight)
+    assert packed.dtype == torch.int8 and packed.shape == (4, 32, 16, 2) and scales.shape == (64,)
+    layer = Linear(64, 50)
+    layer.packed, layer.scales = packed, scales
+    error = (dequantized(layer) - weight.float()).abs()
+    assert bool((error <= scales[:50, None] / 2 + 1e-9).all())
+    assert int(packed.abs().max()) == 127  # each row's largest weight uses the whole range
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 32])  # decode's one tile (int16 x) and several (widened weights)
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (577, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_its_dequantized_weights(rows, out_features, in_features, bias):
+    layer = linear(in_features, out_features, bias, "native-int8")
+    assert layer.packing == "native-int8" and layer.packed.dtype == torch.int8
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    expected = F.linear(x.float(), dequantized(layer), None if layer.bias is None else layer.bias.float())
+    logits = layer(x, out_dtype=torch.float32)
+    # Up to 6 rows x is quantized per row to 13 bits: errors up to ~1e-4 of the row's largest products.
+    torch.testing.assert_close(logits, expected, atol=2e-3 * float(expected.abs().max()), rtol=1e-3)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@needs_native
+def test_int8_rows_of_one_tile_do_not_depend_on_their_neighbours():
+    layer = linear(576, 96, True, "native-int8")
+    x = torch.randn(6, 576).to(torch.bfloat16)
+    together = layer(x, out_dtype=torch.float32)
+    for i in range(6):
+        assert torch.equal(layer(x[i:i + 1], out_dtype=torch.float32)[0], together[i])
+
+
+def test_int8_needs_the_native_kernel_on_bf16_cpu():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="int8"):
+        select_linear_packing(cpu, torch.float32, quantization="int8")
+    with pytest.raises(ValueError, match="int8"):
+        select_linear_packing(cpu, torch.bfloat16, enabled=False, quantization="int8")
+    with pytest.raises(ValueError, match="supported: int8"):
+        EngineConfig(model="m", quantization="int4")
+    if native_linear_available():
+        assert select_linear_packing(cpu, torch.bfloat16, quantization="int8") == "native-int8"
+
+
+@needs_native
+def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path):
+    from benchmarks.quant_accuracy import PROMPTS, chat_prompts, compare
+    prompts = chat_prompts(str(smollm2_path), PROMPTS[:4])
+    bf16, int8 = compare(str(smollm2_path), prompts, max_tokens=32)
+    assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32
+    # Measured on the 16 prompts of benchmarks.quant_accuracy: 96.0%, mean logprob -0.665 against bf16's -0.659.
+    assert int8.greedy_agreement >= 0.85
+    assert int8.mean_logprob >= bf16.mean_logprob - 0.05

@@ -111,7 +111,8 @@ def _remove_stale_lock(lock: Path) -> None:
 
 
 def native_linear_available() -> bool:
-    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16."""
+    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16
+    and AVX512-VNNI (int8 weights)."""
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
 
 

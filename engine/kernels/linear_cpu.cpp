@@ -5,6 +5,11 @@
 // rows and each k pair of x is a 32-bit broadcast. Decode is bandwidth-bound (each weight is read once per step);
 // a block of 16 outputs is one contiguous stream, and MR rows of x share every weight load, so a small batch costs
 // little more than one row. Larger batches re-read a group's weights from L2 for each MR rows.
+//
+// int8 weights (one fp32 scale per output row) use the same layout at one byte a weight: half the bytes a decode
+// step streams. Up to one row tile (decode), x is quantized per row to int16 (13 bits) and VNNI's vpdpwssd adds
+// two int16 products per lane exactly as the weights stream in; for more rows, each group of blocks widens once to
+// bf16 (exact) in a buffer the tiles share, and the bf16 path runs on it. The two agree to rounding, not bit for bit.
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,10 +17,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TOKENLINE_HAS_BF16_DOT 1
 #endif
@@ -54,79 +61,219 @@ inline void store_out(c10::BFloat16* dst, __m512 v, __mmask16 mask) {
 }
 inline void store_out(float* dst, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(dst, mask, v); }
 
-// MR rows of x times NR blocks of 16 outputs, over the whole K.
-template <int MR, int NR, typename out_t>
-inline void micro_kernel(const uint32_t* const* x, const uint32_t* w, int64_t pairs, const float* bias,
-                         out_t* const* out, int64_t n_valid) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t block_stride = pairs * kBlock;  // in 32-bit words
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w + j * block_stride + p * kBlock);
-    for (int i = 0; i < MR; ++i) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[i][p]));
-      for (int j = 0; j < NR; ++j)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv[j], (__m512bh)xv);
+// A block group's weights, one k pair of 16 outputs at a time: bf16 as packed ...
+struct Bf16Weights {
+  const uint32_t* w;
+  int64_t block_stride;  // 32-bit words
+  __m512i pair(int j, int64_t p) const { return _mm512_loadu_si512(w + j * block_stride + p * kBlock); }
+};
+
+// ... int8 as packed (32 bytes in the same order), sign-extended to int16 pairs ...
+struct Int8Weights {
+  const int8_t* w;
+  int64_t block_stride;  // bytes
+  __m512i pair(int j, int64_t p) const {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * block_stride + p * 2 * kBlock)));
+  }
+};
+
+// int8 k pairs as bf16 pairs (exact: |q| <= 127 has 8 significant bits), for widening a group once.
+inline __m512i int8_pair_as_bf16(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kBlock))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo fills the lower half
+}
+
+// vdpbf16ps: two bf16 products added to each fp32 lane.
+struct Bf16Dot {
+  using acc_t = __m512;
+  static constexpr int64_t kChunkPairs = INT64_MAX;
+  static acc_t zero() { return _mm512_setzero_ps(); }
+  static acc_t dot(acc_t a, __m512i w, __m512i x) { return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x); }
+  static __m512 to_float(acc_t a) { return a; }
+};
+
+// vpdpwssd: two int16 products added to each int32 lane, exactly; weights |q| <= 127 and x |q| <= kXMax, so a
+// chunk of kChunkPairs pairs cannot overflow (1024 * 2 * 127 * 8191 < 2^31).
+constexpr float kXMax = 8191.0f;
+struct Int16Dot {
+  using acc_t = __m512i;
+  static constexpr int64_t kChunkPairs = 1024;
+  static acc_t zero() { return _mm512_setzero_si512(); }
+  static acc_t dot(acc_t a, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(a, w, x); }
+  static __m512 to_float(acc_t a) { return _mm512_cvtepi32_ps(a); }
+};
+
+// MR rows of x times NR blocks of 16 outputs, over the whole K; then out = sums * scale * x_scale + bias, where
+// int8 weights have a scale per output and their int16 x one per row.
+template <int MR, int NR, typename Dot, typename Weights, typename out_t>
+inline void micro_kernel(const uint32_t* const* x, const float* x_scale, const Weights& wt, int64_t pairs,
+                         const float* scale, const float* bias, out_t* const* out, int64_t n_valid) {
+  __m512 total[MR][NR];
+  for (int64_t c0 = 0; c0 < pairs; c0 += Dot::kChunkPairs) {
+    const int64_t c1 = std::min<int64_t>(pairs, c0 + std::min<int64_t>(Dot::kChunkPairs, pairs));
+    typename Dot::acc_t acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = Dot::zero();
+    for (int64_t p = c0; p < c1; ++p) {
+      __m512i wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = wt.pair(j, p);
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[i][p]));
+        for (int j = 0; j < NR; ++j) acc[i][j] = Dot::dot(acc[i][j], wv[j], xv);
+      }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j)
+        total[i][j] = c0 == 0 ? Dot::to_float(acc[i][j]) : _mm512_add_ps(total[i][j], Dot::to_float(acc[i][j]));
   }
   for (int j = 0; j < NR; ++j) {
     const int64_t valid = std::min<int64_t>(kBlock, n_valid - j * kBlock);
     if (valid <= 0) break;
     const __mmask16 mask = valid >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * kBlock) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) store_out(out[i] + j * kBlock, _mm512_add_ps(acc[i][j], b), mask);
+    const __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + j * kBlock) : _mm512_set1_ps(1.0f);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 si = x_scale ? _mm512_mul_ps(s, _mm512_set1_ps(x_scale[i])) : s;
+      store_out(out[i] + j * kBlock, _mm512_fmadd_ps(total[i][j], si, b), mask);
+    }
   }
 }
 
-template <int NR, typename out_t>
-void rows_times_blocks(int64_t mr, const uint32_t* const* x, const uint32_t* w, int64_t pairs, const float* bias,
-                       out_t* const* out, int64_t n_valid) {
+template <int NR, typename Dot, typename Weights, typename out_t>
+void rows_times_blocks(int64_t mr, const uint32_t* const* x, const float* x_scale, const Weights& wt, int64_t pairs,
+                       const float* scale, const float* bias, out_t* const* out, int64_t n_valid) {
   switch (mr) {
-    case 1: micro_kernel<1, NR>(x, w, pairs, bias, out, n_valid); break;
-    case 2: micro_kernel<2, NR>(x, w, pairs, bias, out, n_valid); break;
-    case 3: micro_kernel<3, NR>(x, w, pairs, bias, out, n_valid); break;
-    case 4: micro_kernel<4, NR>(x, w, pairs, bias, out, n_valid); break;
-    case 5: micro_kernel<5, NR>(x, w, pairs, bias, out, n_valid); break;
-    default: micro_kernel<6, NR>(x, w, pairs, bias, out, n_valid); break;
+    case 1: micro_kernel<1, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
+    case 2: micro_kernel<2, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
+    case 3: micro_kernel<3, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
+    case 4: micro_kernel<4, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
+    case 5: micro_kernel<5, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
+    default: micro_kernel<6, NR, Dot>(x, x_scale, wt, pairs, scale, bias, out, n_valid); break;
   }
+}
+
+constexpr int64_t kMaxRows = 6;
+constexpr int64_t kGroup = 4;  // blocks of 16 outputs a thread streams at once
+
+// The rows of x a kernel reads: k pairs as 32-bit words (bf16 or int16 pairs), and int16's scale per row.
+struct Rows {
+  const uint32_t* x;
+  int64_t stride;  // 32-bit words
+  const float* scale;
+  int64_t m;
+};
+
+// Every row tile of x against one group of nr blocks starting at block b0.
+template <typename Dot, typename Weights, typename out_t>
+void rows_times_group(const Rows& rows, const Weights& wt, int64_t pairs, const float* scale, const float* bias,
+                      at::Tensor& out, int64_t b0, int64_t nr, int64_t n) {
+  out_t* op = out.data_ptr<out_t>();
+  const int64_t o_stride = out.stride(0);
+  const float* sc = scale ? scale + b0 * kBlock : nullptr;
+  const float* bb = bias ? bias + b0 * kBlock : nullptr;
+  for (int64_t r0 = 0; r0 < rows.m; r0 += kMaxRows) {
+    const int64_t mr = std::min<int64_t>(kMaxRows, rows.m - r0);
+    const uint32_t* xs[kMaxRows];
+    out_t* os[kMaxRows];
+    for (int64_t i = 0; i < mr; ++i) {
+      xs[i] = rows.x + (r0 + i) * rows.stride;
+      os[i] = op + (r0 + i) * o_stride + b0 * kBlock;
+    }
+    const float* xsc = rows.scale ? rows.scale + r0 : nullptr;
+    const int64_t n_valid = n - b0 * kBlock;
+    switch (nr) {
+      case 1: rows_times_blocks<1, Dot>(mr, xs, xsc, wt, pairs, sc, bb, os, n_valid); break;
+      case 2: rows_times_blocks<2, Dot>(mr, xs, xsc, wt, pairs, sc, bb, os, n_valid); break;
+      case 3: rows_times_blocks<3, Dot>(mr, xs, xsc, wt, pairs, sc, bb, os, n_valid); break;
+      default: rows_times_blocks<4, Dot>(mr, xs, xsc, wt, pairs, sc, bb, os, n_valid); break;
+    }
+  }
+}
+
+// Calls tile(b0, nr) for each group of up to kGroup blocks, the groups shared between the threads.
+template <typename Tile>
+void for_each_group(int64_t blocks, const Tile& tile) {
+  // Enough block ranges to balance the threads; each range keeps its weights hot across the rows of x.
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += kGroup) tile(b0, std::min<int64_t>(kGroup, end - b0));
+  });
 }
 
 template <typename out_t>
 void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out,
                         int64_t n) {
-  constexpr int64_t kMaxRows = 6;
-  const int64_t m = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
-  const int64_t x_stride = x.stride(0) / 2;
+  const int64_t pairs = packed.size(1);
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-  out_t* op = out.data_ptr<out_t>();
-  const int64_t o_stride = out.stride(0);
-  // Enough block ranges to balance the threads; each range keeps its weights hot across the rows of x.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(4, blocks / (2 * at::get_num_threads())));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, end - b0);
-      const uint32_t* w = wp + b0 * pairs * kBlock;
-      const int64_t n_valid = n - b0 * kBlock;
-      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        const int64_t mr = std::min<int64_t>(kMaxRows, m - r0);
-        const uint32_t* xs[kMaxRows];
-        out_t* os[kMaxRows];
-        for (int64_t i = 0; i < mr; ++i) {
-          xs[i] = xp + (r0 + i) * x_stride;
-          os[i] = op + (r0 + i) * o_stride + b0 * kBlock;
-        }
-        const float* bb = bias ? bias + b0 * kBlock : nullptr;
-        switch (nr) {
-          case 1: rows_times_blocks<1>(mr, xs, w, pairs, bb, os, n_valid); break;
-          case 2: rows_times_blocks<2>(mr, xs, w, pairs, bb, os, n_valid); break;
-          case 3: rows_times_blocks<3>(mr, xs, w, pairs, bb, os, n_valid); break;
-          default: rows_times_blocks<4>(mr, xs, w, pairs, bb, os, n_valid); break;
-        }
-      }
+  const Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0) / 2, nullptr, x.size(0)};
+  for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
+    rows_times_group<Bf16Dot, Bf16Weights, out_t>(rows, Bf16Weights{wp + b0 * pairs * kBlock, pairs * kBlock}, pairs,
+                                                  nullptr, bias, out, b0, nr, n);
+  });
+}
+
+inline __m512 bf16x16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Each row of x (bf16) as int16, scaled so that its largest |value| becomes kXMax; its scale goes to scales.
+// 13 bits per value relative to the row's largest: finer than bf16's 8 for all but the smallest values.
+void quantize_rows(const at::Tensor& x, int16_t* q, float* scales) {
+  const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xp + r * stride;
+      int16_t* dst = q + r * k;
+      __m512 top = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(bf16x16_to_float(row + i)));
+      float amax = _mm512_reduce_max_ps(top);
+      for (; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(c10::BFloat16(row[i], c10::BFloat16::from_bits()))));
+      const float scale = amax > 0 ? amax / kXMax : 1.0f;
+      const __m512 inv = _mm512_set1_ps(1.0f / scale);
+      scales[r] = scale;
+      for (i = 0; i + 16 <= k; i += 16)  // rounds to nearest; saturates
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_float(row + i), inv))));
+      for (; i < k; ++i)
+        dst[i] = static_cast<int16_t>(std::nearbyint(
+            static_cast<float>(c10::BFloat16(row[i], c10::BFloat16::from_bits())) / scale));
     }
+  });
+}
+
+template <typename out_t>
+void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, const float* scale, const float* bias,
+                             at::Tensor& out, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), block_bytes = pairs * 2 * kBlock;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  if (m > kMaxRows) {
+    // Several row tiles: each group's weights widen once to bf16 in a buffer that every tile reads from cache, x
+    // stays bf16 (vdpbf16ps runs at twice vpdpwssd's rate here, and widening costs little over many rows).
+    const Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0) / 2, nullptr, m};
+    for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
+      thread_local std::vector<uint32_t> widened;
+      widened.resize(nr * pairs * kBlock);
+      for (int64_t j = 0; j < nr; ++j)
+        for (int64_t p = 0; p < pairs; ++p)
+          _mm512_storeu_si512(widened.data() + (j * pairs + p) * kBlock,
+                              int8_pair_as_bf16(wp + (b0 + j) * block_bytes + p * 2 * kBlock));
+      rows_times_group<Bf16Dot, Bf16Weights, out_t>(rows, Bf16Weights{widened.data(), pairs * kBlock}, pairs, scale,
+                                                    bias, out, b0, nr, n);
+    });
+    return;
+  }
+  // One row tile (decode): x to int16, the weights sign-extended as they stream in; half the bytes of bf16.
+  auto xq = at::empty({m, k}, x.options().dtype(at::kShort));
+  auto x_scales = at::empty({m}, x.options().dtype(at::kFloat));
+  quantize_rows(x, xq.data_ptr<int16_t>(), x_scales.data_ptr<float>());
+  const Rows rows{reinterpret_cast<const uint32_t*>(xq.data_ptr<int16_t>()), k / 2, x_scales.data_ptr<float>(), m};
+  for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
+    rows_times_group<Int16Dot, Int8Weights, out_t>(rows, Int8Weights{wp + b0 * block_bytes, block_bytes}, pairs,
+                                                   scale, bias, out, b0, nr, n);
   });
 }
 
@@ -140,31 +287,51 @@ bool packed_linear_supported() {
 #endif
 }
 
-// out [M, N] (bf16 or fp32; rows may be strided) = x [M, K] (bf16, rows strided, last dim contiguous) W^T + bias.
-void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                   const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AVX512-BF16 (built with -march=native)");
+void check_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AVX512-BF16 and AVX512-VNNI (built with -march=native)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && x.stride(0) % 2 == 0,
               "packed_linear takes a bf16 [M, K] x with contiguous, even-aligned rows");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed_linear takes a weight from pack_linear_weight");
+              "packed_linear takes a weight packed as [N/16, K/2, 16, 2]");
   TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x has K=", x.size(1), ", the weight ", 2 * packed.size(1));
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == n,
               "out must be [M, N]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be bf16 or fp32");
   TORCH_CHECK(n <= packed.size(0) * kBlock, "n is larger than the packed weight");
+}
+
+// fp32 values of an optional vector (bias, scales), kept alive by `holder`.
+const float* float_data(const c10::optional<at::Tensor>& t, at::Tensor& holder) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  holder = t->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+// out [M, N] (bf16 or fp32; rows may be strided) = x [M, K] (bf16, rows strided, last dim contiguous) W^T + bias.
+void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                   const c10::optional<at::Tensor>& bias, int64_t n) {
+  check_linear_args(out, x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed_linear takes a weight from pack_linear_weight");
   at::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
+  const float* bp = float_data(bias, bias_f);
 #ifdef TOKENLINE_HAS_BF16_DOT
-  if (out.scalar_type() == at::kFloat) {
-    packed_linear_impl<float>(x, packed, bp, out, n);
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "out must be bf16 or fp32");
-    packed_linear_impl<c10::BFloat16>(x, packed, bp, out, n);
-  }
+  if (out.scalar_type() == at::kFloat) packed_linear_impl<float>(x, packed, bp, out, n);
+  else packed_linear_impl<c10::BFloat16>(x, packed, bp, out, n);
+#endif
+}
+
+// The same with int8 weights packed alike and one scale per output: out = (x q^T) * scales + bias.
+void packed_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& bias, int64_t n) {
+  check_linear_args(out, x, packed, n);
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "packed_linear_int8 takes int8 weights");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) >= n, "scales must hold one value per output");
+  at::Tensor bias_f, scales_f;
+  const float* bp = float_data(bias, bias_f);
+  const float* sp = float_data(scales, scales_f);
+#ifdef TOKENLINE_HAS_BF16_DOT
+  if (out.scalar_type() == at::kFloat) packed_linear_int8_impl<float>(x, packed, sp, bp, out, n);
+  else packed_linear_int8_impl<c10::BFloat16>(x, packed, sp, bp, out, n);
 #endif
 }
 
@@ -175,5 +342,7 @@ TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.impl("pack_linear_weight", c10::DispatchKey::CPU, &pack_linear_weight);
   m.def("packed_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()");
   m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
+  m.def("packed_linear_int8(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n) -> ()");
+  m.impl("packed_linear_int8", c10::DispatchKey::CPU, &packed_linear_int8);
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
 }

@@ -25,15 +25,36 @@ def onednn_prepack_available() -> bool:
         return False
 
 
-def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> str | None:
+def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: bool = True,
+                          quantization: str | None = None) -> str | None:
     """How bf16 CPU linears are prepacked: `native` (engine.kernels, AVX512-BF16 dot products: ~25% less time than
-    oneDNN at batch 1 and 32 here), `onednn`, or None (F.linear)."""
+    oneDNN at batch 1 and 32 here), `native-int8` (the same kernel on int8 weights, `quantization: int8`),
+    `onednn`, or None (F.linear)."""
+    if quantization is not None:
+        from engine.kernels import native_linear_available
+        if not (enabled and device.type == "cpu" and dtype == torch.bfloat16 and native_linear_available()):
+            raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
+                             "bfloat16, prepack_weights and a CPU with AVX512-BF16")
+        return "native-int8"
     if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
         return None
     from engine.kernels import native_linear_available
     if native_linear_available():
         return "native"
     return "onednn" if onednn_prepack_available() else None
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, symmetric, one scale per output row, packed as the native kernel reads it
+    ([N/16, K/2, 16, 2], rows past N zero). Returns (packed int8, fp32 scales of N rounded up to 16)."""
+    n, k = weight.shape
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    rows = -(-n // 16) * 16
+    q = torch.nn.functional.pad(q, (0, 0, 0, rows - n))
+    scales = torch.nn.functional.pad(scales, (0, rows - n), value=1.0)
+    return q.view(rows // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scales
 
 
 class Linear(nn.Module):
@@ -43,12 +64,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None  # int8 weights: one per output row
         self.packing: str | None = None
 
     def prepack(self, packing: str = "onednn") -> None:
-        if packing == "native" and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
+        if packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
             packing = "onednn"
-        if packing == "native":
+        self.scales = None
+        if packing == "native-int8":
+            self.packed, self.scales = quantize_int8(self.weight.data)
+        elif packing == "native":
             self.packed = torch.ops.tokenline.pack_linear_weight(self.weight.data.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
@@ -56,12 +81,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`out_dtype` (the LM head asks for fp32 logits) saves a cast where the kernel can write it directly."""
-        if self.packing == "native":
+        if self.packing in ("native", "native-int8"):
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1 or rows.stride(0) % 2:
                 rows = rows.contiguous()
             out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
-            torch.ops.tokenline.packed_linear(out, rows, self.packed, self.bias, self.out_features)
+            if self.scales is None:
+                torch.ops.tokenline.packed_linear(out, rows, self.packed, self.bias, self.out_features)
+            else:
+                torch.ops.tokenline.packed_linear_int8(out, rows, self.packed, self.scales, self.bias,
+                                                       self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packing == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
