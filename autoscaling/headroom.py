@@ -43,14 +43,14 @@ def observed_surprise(state: dict[str, Any], now: float, planned: float, level: 
     """Records this decision's plan and load in `state`; returns the tokens/s to hold beyond `planned`, or None
     while the history is too short.
 
-    That is how far the load outgrew the plans one lead time later, at the percentile, in tokens/s (a burst adds
-    its height whatever the level it starts from), and never past the highest load of the history: a load already
-    at its peak has no burst left to meet."""
+    That is how far the load outgrew the plans one lead time later, at the percentile of the load it met (of
+    requests, not of time), in tokens/s (a burst adds its height whatever the level it starts from), and never
+    past the highest load of the history: a load already at its peak has no burst left to meet."""
     history = [row for row in state.get("plans", []) if now - row[0] <= HISTORY_S]
     if not history or now - history[-1][0] >= SAMPLE_S:
         history.append((now, planned, level))
     state["plans"] = history
-    excesses = []
+    excesses, loads = [], []
     later = 0
     for at, plan, _ in history:
         while later < len(history) and history[later][0] < at + lead_s:
@@ -58,7 +58,17 @@ def observed_surprise(state: dict[str, Any], now: float, planned: float, level: 
         if later == len(history):
             break
         excesses.append(history[later][2] - plan)
+        loads.append(history[later][2])
     if len(excesses) < MIN_SAMPLES:
         return None
     peak = max(row[2] for row in history)
-    return min(max(0.0, float(np.quantile(excesses, percentile))), max(0.0, peak - planned))
+    return min(max(0.0, _weighted_quantile(excesses, loads, percentile)), max(0.0, peak - planned))
+
+
+def _weighted_quantile(values: list[float], weights: list[float], q: float) -> float:
+    """The value below which `q` of the total weight lies. Each excess weighs the load it met: the percentile is
+    of requests, and a burst brings more of them than its share of the time."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(np.maximum(np.asarray(weights, dtype=float)[order], 1e-9))
+    index = int(np.searchsorted(cumulative, q * cumulative[-1]))
+    return float(np.asarray(values, dtype=float)[order][min(index, len(values) - 1)])

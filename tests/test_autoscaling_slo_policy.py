@@ -145,6 +145,12 @@ def test_the_surprise_is_how_far_the_load_outgrew_the_plans_one_lead_time_later_
     assert observed_surprise(bursty, 239 * SAMPLE_S + 1.0, 250.0, 300.0, lead, 0.95) == pytest.approx(50.0)
     assert observed_surprise(bursty, 239 * SAMPLE_S + 2.0, 300.0, 300.0, lead, 0.95) == 0.0
     assert len(bursty["plans"]) <= 1200.0 / SAMPLE_S + 1
+    # Short bursts, 4% of the time but a sixth of the requests: held, at the percentile of requests, not of time.
+    rare: dict = {}
+    for i in range(240):
+        load = 500.0 if (i * SAMPLE_S) % 250 < 10 else 100.0
+        surprise = observed_surprise(rare, i * SAMPLE_S, 100.0, load, lead, 0.95)
+    assert surprise == pytest.approx(400.0)
 
 
 def test_between_bursts_it_holds_capacity_for_the_next_one_and_within_a_burst_no_more_than_the_burst_needs():
