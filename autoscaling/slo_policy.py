@@ -7,10 +7,10 @@ and the load it is offered (requests and tokens of work arriving per second: aut
    forecasts it one lead time ahead with Holt's linear trend (autoscaling/forecast.py), on requests and on tokens,
    since a replica asked for now serves only after the lead time: its start-up (learned from the replicas this
    policy asked for, `startup_s` until then), Serve's upscale delay, and the age of the metrics;
-2. asks for the fewest replicas whose capacity, less the headroom (autoscaling/headroom.py: how far the load has
-   outgrown the policy's own plans within a lead time, at the SLO's percentile), covers the larger of the load
-   now and its forecast, plus what it takes to drain the queued requests within the lead time: one replica at
-   what it sustains alone, more at what each sustains beside the others;
+2. asks for the fewest replicas whose capacity covers the larger of the load now and its forecast, plus what it
+   takes to drain the queued requests within the lead time, plus the surprise it holds (autoscaling/headroom.py:
+   how far the load has outgrown the policy's own plans within a lead time, at the SLO's percentile of requests,
+   in tokens/s): one replica at what it sustains alone, more at what each sustains beside the others;
 3. scales in only when fewer replicas would still cover that, every replica has reported, and no replica was
    overloaded for a lead time;
 4. keeps the queue + KV policy as a safety net (autoscaling/policy.py, its waiting mark set to the requests a
@@ -45,7 +45,7 @@ class SLOConfig:
     ttft_s: float = SLO.ttft_s
     itl_s: float = SLO.itl_s
     percentile: float = SLO.percentile
-    # Share of capacity kept free; None: how far the load outgrew the policy's plans, at the percentile.
+    # Share of capacity kept free; None: hold how far the load outgrew the policy's plans lately (headroom.py).
     headroom: float | None = None
     # Replica asked for -> serving, until the policy has measured one (the measured cold start; README).
     startup_s: float = 15.0

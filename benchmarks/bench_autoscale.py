@@ -55,7 +55,9 @@ WARMUP_S = 120.0
 SHAPES = ("steps", "bursts", "daily")
 OURS = ("slo", "queue_kv")
 # Each part of the SLO policy taken away in turn (--levers).
-LEVERS = {"slo:headroom=0": "no headroom", "slo:level_time_s=1": "no smoothing (the load as last measured)"}
+LEVERS = {"slo:headroom=0": "nothing held beyond the forecast (no observed surprise, no prior)",
+          "slo:level_time_s=1": "no smoothing (the load as last measured)",
+          "slo:trend_time_s=240": "a trend in the forecast (the best of fit-forecast's)"}
 SHORT_DOWNSCALE_S = 30.0
 TARGET_SAVING = 0.25
 TARGET_ATTAINMENT = 0.95
