@@ -2,8 +2,9 @@
 
 The policy watches its own plans come true. Every `SAMPLE_S` it notes what it planned for (the load it asked
 replicas for) and the smoothed load; one lead time later, the smoothed load less the plan is how far the load
-outgrew the plan in the time a replica takes to arrive. The surprise is that excess at the SLO's percentile over
-the last `HISTORY_S` (never below 0), in tokens/s, held on top of the plan up to the highest load of the history:
+outgrew the plan in the time a replica takes to arrive, read back to the step that would have moved the smoothed
+load that far. The surprise is that excess at the SLO's percentile of requests over the last `HISTORY_S` (never
+below 0), in tokens/s, held on top of the plan up to the highest load of the history:
 bursty or stepping loads earn capacity held for their next burst, steady ones none, and a load at its peak needs
 none beyond it. (A ratio of load to plan, as first built, multiplied a burst's height onto the burst itself: 12
 replicas for a load 5 covered.) Until it has `MIN_SAMPLES` such excesses, the prior, a share of capacity: arrivals
@@ -39,9 +40,11 @@ def prior_headroom(arrivals_per_s: float, lead_s: float, percentile: float) -> f
 
 
 def observed_surprise(state: dict[str, Any], now: float, planned: float, level: float, lead_s: float,
-                      percentile: float) -> float | None:
+                      percentile: float, rise: float = 1.0) -> float | None:
     """Records this decision's plan and load in `state`; returns the tokens/s to hold beyond `planned`, or None
-    while the history is too short.
+    while the history is too short. `rise` is the share of a step in the load that the smoothed `level` shows one
+    lead time after it (`1 - exp(-lead / level time)`): each excess is divided by it, so that a burst is held at
+    its height, not at the part of it the smoothed load had reached (about half, at 45 s and a 31 s lead).
 
     That is how far the load outgrew the plans one lead time later, at the percentile of the load it met (of
     requests, not of time), in tokens/s (a burst adds its height whatever the level it starts from), and never
@@ -57,7 +60,7 @@ def observed_surprise(state: dict[str, Any], now: float, planned: float, level: 
             later += 1
         if later == len(history):
             break
-        excesses.append(history[later][2] - plan)
+        excesses.append((history[later][2] - plan) / rise)
         loads.append(history[later][2])
     if len(excesses) < MIN_SAMPLES:
         return None

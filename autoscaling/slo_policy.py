@@ -163,7 +163,8 @@ def _plan(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],
     needed = max(demand, forecast) + waiting * per_request / lead
     headroom, surprise = config.headroom, 0.0
     if headroom is None:
-        observed = observed_surprise(state, now, needed, demand_state.level, lead, config.percentile)
+        rise = 1 - math.exp(-lead / config.level_time_s)  # of a step, on the smoothed level one lead time on
+        observed = observed_surprise(state, now, needed, demand_state.level, lead, config.percentile, rise)
         if observed is None:
             headroom = prior_headroom(max(arrivals, arrivals_state.level), lead, config.percentile)
         else:
