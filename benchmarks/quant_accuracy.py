@@ -2,6 +2,10 @@
 reads those answers back (teacher forcing, `prompt_logprobs`) and we count how often its top token is the bf16
 answer's next token (greedy agreement) and the mean log-probability it gives those tokens.
 
+int8 weights serve steps of up to 8 rows (decode at low concurrency; larger steps use the bf16 weights), so a
+quantized engine reads the answers back in steps of 8 tokens (`max_num_batched_tokens` 8): every token through
+the int8 weights, as a decode step would.
+
     python -m benchmarks.quant_accuracy --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 
 bf16 against itself gives 100% and its own mean log-prob: the baseline. Prints a table and writes JSON.
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import load_model_source, load_tokenizer
+from engine.models.layers import INT8_MAX_ROWS
 
 PROMPTS = (
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
@@ -30,6 +35,7 @@ PROMPTS = (
 @dataclass
 class Agreement:
     quantization: str
+    step_tokens: int  # the scoring engine's max_num_batched_tokens
     tokens: int
     greedy_agreement: float  # share of the reference's answer tokens that are this engine's top token too
     mean_logprob: float  # of the reference's answer tokens, under this engine
@@ -56,7 +62,8 @@ def score(engine: LLMEngine, prompts: list[list[int]], answers: list[list[int]],
             total += 1
             sum_logprob += entry.logprob
             agree += entry.top[0][0] == entry.token_id
-    return Agreement(label, total, agree / max(total, 1), sum_logprob / max(total, 1))
+    return Agreement(label, engine.config.max_num_batched_tokens, total, agree / max(total, 1),
+                     sum_logprob / max(total, 1))
 
 
 def compare(model: str, prompts: list[list[int]], max_tokens: int, threads: int | None = None,
@@ -64,15 +71,15 @@ def compare(model: str, prompts: list[list[int]], max_tokens: int, threads: int 
     """The bf16 engine's greedy answers, scored under bf16 and under each quantization."""
     source = load_model_source(model)
 
-    def engine(quantization: str | None) -> LLMEngine:
+    def engine(quantization: str | None, budget: int = 2048) -> LLMEngine:
         # No prefix cache: a scored prompt must run through this engine's weights, not hit blocks cached before.
         return LLMEngine(EngineConfig(model=model, enable_prefix_caching=False, num_threads=threads,
-                                      quantization=quantization), source=source)
+                                      quantization=quantization, max_num_batched_tokens=budget), source=source)
 
     reference = engine(None)
     answers = reference.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     results = [score(reference, prompts, answers, "bf16")]
-    results += [score(engine(q), prompts, answers, q) for q in quantizations]
+    results += [score(engine(q, INT8_MAX_ROWS), prompts, answers, q) for q in quantizations]
     return results
 
 
@@ -85,9 +92,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     results = compare(args.model, chat_prompts(args.model), args.max_tokens, args.threads)
-    print(f"{'weights':8} {'tokens':>6} {'greedy agreement':>17} {'mean logprob':>13}")
+    print(f"{'weights':8} {'step tokens':>11} {'tokens':>6} {'greedy agreement':>17} {'mean logprob':>13}")
     for r in results:
-        print(f"{r.quantization:8} {r.tokens:6d} {r.greedy_agreement:16.1%} {r.mean_logprob:13.4f}")
+        print(f"{r.quantization:8} {r.step_tokens:11d} {r.tokens:6d} {r.greedy_agreement:16.1%} "
+              f"{r.mean_logprob:13.4f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"prompts": len(PROMPTS), "max_tokens": args.max_tokens,

@@ -87,11 +87,11 @@ def test_every_packing_gives_the_same_layer_output():
         torch.testing.assert_close(out, reference, atol=3e-2, rtol=2e-2)
 
 
-def dequantized(layer: Linear) -> torch.Tensor:
-    """The int8 layer's weights as the kernel multiplies them: q * scale, in fp32, [N, K]."""
-    blocks, pairs = layer.packed.shape[:2]
-    q = layer.packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
-    return (q.float() * layer.scales[:, None])[:layer.out_features]
+def dequantized(packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """int8 weights as the kernel multiplies them: q * scale, in fp32, [N, K]."""
+    blocks, pairs = packed.shape[:2]
+    q = packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)
+    return (q.float() * scales[:, None])[:out_features]
 
 
 def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
@@ -99,32 +99,45 @@ def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
     weight[3] = 0  # an all-zero row gets a usable scale
     packed, scales = quantize_int8(weight)
     assert packed.dtype == torch.int8 and packed.shape == (4, 32, 16, 2) and scales.shape == (64,)
-    layer = Linear(64, 50)
-    layer.packed, layer.scales = packed, scales
-    error = (dequantized(layer) - weight.float()).abs()
+    error = (dequantized(packed, scales, 50) - weight.float()).abs()
     assert bool((error <= scales[:50, None] / 2 + 1e-9).all())
     assert int(packed.abs().max()) == 127  # each row's largest weight uses the whole range
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 6, 8, 9, 13, 32])  # up to 8: int16 x; more: weights widened to bf16
+@pytest.mark.parametrize("rows", [1, 2, 6, 8, 9, 13])  # whole and partial tiles of 6 rows
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (577, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_matches_its_dequantized_weights(rows, out_features, in_features, bias):
-    layer = linear(in_features, out_features, bias, "native-int8")
-    assert layer.packing == "native-int8" and layer.packed.dtype == torch.int8
+def test_int8_kernel_matches_its_dequantized_weights(rows, out_features, in_features, bias):
+    layer = linear(in_features, out_features, bias, None)
+    packed, scales = quantize_int8(layer.weight.data)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
-    expected = F.linear(x.float(), dequantized(layer), None if layer.bias is None else layer.bias.float())
-    logits = layer(x, out_dtype=torch.float32)
-    # Up to 8 rows x is quantized per row to 13 bits: errors up to ~1e-4 of the row's largest products.
-    torch.testing.assert_close(logits, expected, atol=2e-3 * float(expected.abs().max()), rtol=1e-3)
-    out = layer(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+    expected = F.linear(x.float(), dequantized(packed, scales, out_features),
+                        None if layer.bias is None else layer.bias.float())
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(rows, out_features, dtype=dtype)
+        torch.ops.tokenline.packed_linear_int8(out, x, packed, scales, layer.bias, out_features)
+        # x is quantized per row to 13 bits: errors up to ~1e-4 of the row's largest products, then the output's.
+        tolerance = 2e-3 * float(expected.abs().max()) if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=1e-3 if dtype == torch.float32 else 1e-2)
 
 
 @needs_native
-def test_int8_decode_rows_do_not_depend_on_their_neighbours():
+def test_int8_layer_uses_int8_weights_for_decode_sized_steps_and_bf16_beyond():
+    layer = linear(576, 96, True, "native-int8")
+    bf16 = linear(576, 96, True, "native")
+    assert layer.packing == "native-int8" and layer.packed_int8.dtype == torch.int8
+    x = torch.randn(9, 576).to(torch.bfloat16)
+    int8_rows = dequantized(layer.packed_int8, layer.scales, 96)
+    expected = F.linear(x[:8].float(), int8_rows, layer.bias.float())
+    decode = layer(x[:8], out_dtype=torch.float32)
+    torch.testing.assert_close(decode, expected, atol=2e-3 * float(expected.abs().max()), rtol=1e-3)
+    assert not torch.equal(decode, bf16(x[:8], out_dtype=torch.float32))
+    assert torch.equal(layer(x, out_dtype=torch.float32), bf16(x, out_dtype=torch.float32))  # 9 rows: bf16
+
+
+@needs_native
+def test_int8_rows_do_not_depend_on_their_neighbours():
     layer = linear(576, 96, True, "native-int8")
     x = torch.randn(8, 576).to(torch.bfloat16)
     together = layer(x, out_dtype=torch.float32)
@@ -149,7 +162,7 @@ def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path)
     from benchmarks.quant_accuracy import PROMPTS, chat_prompts, compare
     prompts = chat_prompts(str(smollm2_path), PROMPTS[:4])
     bf16, int8 = compare(str(smollm2_path), prompts, max_tokens=32)
-    assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32
+    assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32 and int8.step_tokens == 8
     # Measured on the 16 prompts of benchmarks.quant_accuracy: 96.0%, mean logprob -0.665 against bf16's -0.659.
     assert int8.greedy_agreement >= 0.85
     assert int8.mean_logprob >= bf16.mean_logprob - 0.05

@@ -7,10 +7,9 @@
 // little more than one row. Larger batches re-read a group's weights from L2 for each MR rows.
 //
 // int8 weights (one fp32 scale per output row) use the same layout at one byte a weight: half the bytes a decode
-// step streams. Up to 8 rows (decode at low concurrency), x is quantized per row to int16 (13 bits) and VNNI's
-// vpdpwssd adds two int16 products per lane exactly as the weights stream in; for more rows, each group of blocks
-// widens once to bf16 (exact) in a buffer the tiles share, and the bf16 path runs on it. The two agree to
-// rounding, not bit for bit.
+// step streams. x is quantized per row to int16 (13 bits) and VNNI's vpdpwssd adds two int16 products per lane
+// exactly as the weights stream in, so a row's result does not depend on its neighbours. vpdpwssd runs at half
+// vdpbf16ps's rate here: from about 12 rows the bf16 kernel is faster (engine.models.layers picks).
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -77,14 +76,6 @@ struct Int8Weights {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * block_stride + p * 2 * kBlock)));
   }
 };
-
-// int8 k pairs as bf16 pairs (exact: |q| <= 127 has 8 significant bits), for widening a group once.
-inline __m512i int8_pair_as_bf16(const int8_t* src) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kBlock))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo fills the lower half
-}
 
 // vdpbf16ps: two bf16 products added to each fp32 lane.
 struct Bf16Dot {
@@ -156,7 +147,6 @@ void rows_times_blocks(int64_t mr, const uint32_t* const* x, const float* x_scal
 }
 
 constexpr int64_t kMaxRows = 6;
-constexpr int64_t kInt16MaxRows = 8;  // int8 weights: up to this many rows of x as int16 (see below)
 constexpr int64_t kGroup = 4;  // blocks of 16 outputs a thread streams at once
 
 // The rows of x a kernel reads: k pairs as 32-bit words (bf16 or int16 pairs), and int16's scale per row.
@@ -252,23 +242,7 @@ void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, cons
                              at::Tensor& out, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), block_bytes = pairs * 2 * kBlock;
   const int8_t* wp = packed.data_ptr<int8_t>();
-  if (m > kInt16MaxRows) {
-    // Many rows: each group's weights widen once to bf16 in a buffer that every tile reads from cache, x stays bf16
-    // (vdpbf16ps outruns vpdpwssd here from about 12 rows; widening costs about a third of a 16-row pass).
-    const Rows rows{reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0) / 2, nullptr, m};
-    for_each_group(packed.size(0), [&](int64_t b0, int64_t nr) {
-      thread_local std::vector<uint32_t> widened;
-      widened.resize(nr * pairs * kBlock);
-      for (int64_t j = 0; j < nr; ++j)
-        for (int64_t p = 0; p < pairs; ++p)
-          _mm512_storeu_si512(widened.data() + (j * pairs + p) * kBlock,
-                              int8_pair_as_bf16(wp + (b0 + j) * block_bytes + p * 2 * kBlock));
-      rows_times_group<Bf16Dot, Bf16Weights, out_t>(rows, Bf16Weights{widened.data(), pairs * kBlock}, pairs, scale,
-                                                    bias, out, b0, nr, n);
-    });
-    return;
-  }
-  // Decode-sized steps: x to int16, the weights sign-extended as they stream in; half the bytes of bf16.
+  // x to int16, the weights sign-extended as they stream in: half the bytes of bf16.
   thread_local std::vector<int16_t> xq;  // reused: a decode step makes ~7 such calls a layer
   thread_local std::vector<float> x_scales;
   xq.resize(m * k);

@@ -28,8 +28,8 @@ def onednn_prepack_available() -> bool:
 def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                           quantization: str | None = None) -> str | None:
     """How bf16 CPU linears are prepacked: `native` (engine.kernels, AVX512-BF16 dot products: ~25% less time than
-    oneDNN at batch 1 and 32 here), `native-int8` (the same kernel on int8 weights, `quantization: int8`),
-    `onednn`, or None (F.linear)."""
+    oneDNN at batch 1 and 32 here), `native-int8` (`quantization: int8`: also int8 weights for decode-sized
+    steps), `onednn`, or None (F.linear)."""
     if quantization is not None:
         from engine.kernels import native_linear_available
         if not (enabled and device.type == "cpu" and dtype == torch.bfloat16 and native_linear_available()):
@@ -57,6 +57,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scales
 
 
+# Steps of up to this many rows use the int8 weights: fewer bytes win while the step streams its weights from memory;
+# from about 12 rows the bf16 kernel's dot products (twice the int16 ones' rate here) win.
+INT8_MAX_ROWS = 8
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -64,16 +69,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.scales: torch.Tensor | None = None  # int8 weights: one per output row
+        self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to INT8_MAX_ROWS rows
+        self.scales: torch.Tensor | None = None  # the int8 weights': one per output row
         self.packing: str | None = None
 
     def prepack(self, packing: str = "onednn") -> None:
         if packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
             packing = "onednn"
-        self.scales = None
+        self.packed_int8 = self.scales = None
         if packing == "native-int8":
-            self.packed, self.scales = quantize_int8(self.weight.data)
-        elif packing == "native":
+            self.packed_int8, self.scales = quantize_int8(self.weight.data)
+        if packing in ("native", "native-int8"):
             self.packed = torch.ops.tokenline.pack_linear_weight(self.weight.data.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
@@ -86,11 +92,11 @@ class Linear(nn.Module):
             if rows.stride(-1) != 1 or rows.stride(0) % 2:
                 rows = rows.contiguous()
             out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
-            if self.scales is None:
-                torch.ops.tokenline.packed_linear(out, rows, self.packed, self.bias, self.out_features)
-            else:
-                torch.ops.tokenline.packed_linear_int8(out, rows, self.packed, self.scales, self.bias,
+            if self.packed_int8 is not None and rows.shape[0] <= INT8_MAX_ROWS:
+                torch.ops.tokenline.packed_linear_int8(out, rows, self.packed_int8, self.scales, self.bias,
                                                        self.out_features)
+            else:
+                torch.ops.tokenline.packed_linear(out, rows, self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         if self.packing == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
