@@ -90,7 +90,7 @@ bench-router: install model
 		$(BENCH_ARGS)
 
 # Autoscaling policies, simulated on each half of the Mooncake trace and on synthetic steps, bursts and a daily
-# cycle: the SLO policy and queue + KV against Serve's default at its best target (README: Autoscaling; ~10 min).
+# cycle: the SLO policy and queue + KV against Serve's default at its best target (README: Autoscaling; ~5 min).
 .PHONY: bench-autoscale step-profile fit-forecast validate-autoscale
 TRACE ?= loadtests/traces/mooncake_synthetic_trace.jsonl
 bench-autoscale: install
