@@ -50,8 +50,9 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     "shm_collectives": dict(description="tensor parallelism on CPU: all-reduces through shared memory (native "
                                         "kernel), not gloo"),
     "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
-    "quantization": dict(description="CPU: int8 weight-only linears (half the bytes per decode step, an accuracy "
-                                     "cost: README); unset: bf16 weights"),
+    "quantization": dict(description="CPU: int8 weights beside the bf16 ones for steps of up to 8 rows (half the "
+                                     "bytes per decode step at low concurrency, an accuracy cost: README); unset: "
+                                     "bf16 weights only"),
     "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
                                               "process's other CPUs sit idle (None: num_threads always)"),
     "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "

@@ -122,8 +122,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
-    # CPU: "int8" stores the linears' weights as int8 with one scale per output row (weight-only; activations stay
-    # bf16): half the bytes a decode step reads, at an accuracy cost (README). None: bf16 weights.
+    # CPU: "int8" also holds the linears' weights as int8 (one scale per output row) for steps of up to 8 rows: half
+    # the bytes a decode step at low concurrency reads, at an accuracy cost (README). None: bf16 weights only.
     quantization: str | None = None
     num_threads: int | None = None
     # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);

@@ -153,6 +153,12 @@ def test_int8_needs_the_native_kernel_on_bf16_cpu():
         select_linear_packing(cpu, torch.bfloat16, enabled=False, quantization="int8")
     with pytest.raises(ValueError, match="supported: int8"):
         EngineConfig(model="m", quantization="int4")
+    from pydantic import ValidationError
+
+    from deployments.config import AppArgs
+    assert AppArgs(engine={"quantization": "int8"}).engine_config().quantization == "int8"
+    with pytest.raises(ValidationError, match="int8"):
+        AppArgs(engine={"quantization": "int4"})
     if native_linear_available():
         assert select_linear_packing(cpu, torch.bfloat16, quantization="int8") == "native-int8"
 

@@ -211,7 +211,7 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
 }
 
 // Each row of x (bf16) as int16, scaled so that its largest |value| becomes kXMax; its scale goes to scales.
-// 13 bits per value relative to the row's largest: finer than bf16's 8 for all but the smallest values.
+// 13 bits of magnitude relative to the row's largest: finer than bf16's 8 for all but the smallest values.
 void quantize_rows(const at::Tensor& x, int16_t* q, float* scales) {
   const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
