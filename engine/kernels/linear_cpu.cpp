@@ -104,7 +104,7 @@ inline void micro_kernel(const uint32_t* const* x, const float* x_scale, const W
                          const float* scale, const float* bias, out_t* const* out, int64_t n_valid) {
   __m512 total[MR][NR];
   for (int64_t c0 = 0; c0 < pairs; c0 += Dot::kChunkPairs) {
-    const int64_t c1 = std::min<int64_t>(pairs, c0 + std::min<int64_t>(Dot::kChunkPairs, pairs));
+    const int64_t c1 = c0 + std::min<int64_t>(Dot::kChunkPairs, pairs - c0);
     typename Dot::acc_t acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = Dot::zero();
@@ -206,6 +206,8 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
   });
 }
 
+inline float bf16_to_float(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
+
 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -223,16 +225,14 @@ void quantize_rows(const at::Tensor& x, int16_t* q, float* scales) {
       int64_t i = 0;
       for (; i + 16 <= k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(bf16x16_to_float(row + i)));
       float amax = _mm512_reduce_max_ps(top);
-      for (; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(c10::BFloat16(row[i], c10::BFloat16::from_bits()))));
+      for (; i < k; ++i) amax = std::max(amax, std::fabs(bf16_to_float(row[i])));
       const float scale = amax > 0 ? amax / kXMax : 1.0f;
       const __m512 inv = _mm512_set1_ps(1.0f / scale);
       scales[r] = scale;
       for (i = 0; i + 16 <= k; i += 16)  // rounds to nearest; saturates
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_float(row + i), inv))));
-      for (; i < k; ++i)
-        dst[i] = static_cast<int16_t>(std::nearbyint(
-            static_cast<float>(c10::BFloat16(row[i], c10::BFloat16::from_bits())) / scale));
+      for (; i < k; ++i) dst[i] = static_cast<int16_t>(std::nearbyint(bf16_to_float(row[i]) / scale));
     }
   });
 }

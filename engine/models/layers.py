@@ -30,15 +30,15 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
     """How bf16 CPU linears are prepacked: `native` (engine.kernels, AVX512-BF16 dot products: ~25% less time than
     oneDNN at batch 1 and 32 here), `native-int8` (`quantization: int8`: also int8 weights for decode-sized
     steps), `onednn`, or None (F.linear)."""
-    if quantization is not None:
-        from engine.kernels import native_linear_available
-        if not (enabled and device.type == "cpu" and dtype == torch.bfloat16 and native_linear_available()):
-            raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
-                             "bfloat16, prepack_weights and a CPU with AVX512-BF16")
-        return "native-int8"
-    if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
-        return None
     from engine.kernels import native_linear_available
+    bf16_cpu = enabled and device.type == "cpu" and dtype == torch.bfloat16
+    if quantization is not None:
+        if not (bf16_cpu and native_linear_available()):
+            raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
+                             "bfloat16, prepack_weights and a CPU with AVX512-BF16 and AVX512-VNNI")
+        return "native-int8"
+    if not bf16_cpu:
+        return None
     if native_linear_available():
         return "native"
     return "onednn" if onednn_prepack_available() else None
