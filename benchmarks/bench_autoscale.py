@@ -20,7 +20,8 @@ show their means. Per workload:
 - at equal replica-seconds: the goodput Serve's curve reaches with as many, against the policy's;
 - SLO attainment: the share of the window's requests that met both objectives.
 
-`--levers` also runs the SLO policy without each of its parts, and every policy with a 30 s downscale delay, to
+`--training` runs the synthetic shapes at the training seeds instead (benchmarks/fit_forecast.py's), where
+changes to the SLO policy are measured before the benchmark sees them. `--levers` also runs the SLO policy without each of its parts, and every policy with a 30 s downscale delay, to
 show what each part gives. Writes JSON, the curves (PNG) and the replica counts over time (PNG).
 
     python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
@@ -44,6 +45,7 @@ from autoscaling.simulate import parse_policy
 from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
 from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload, scaled_to
+from benchmarks.fit_forecast import TRAINING_SEEDS
 from deployments.autoscaling_config import AutoscalingArgs
 from loadtests.datasets import MOONCAKE_TRACE
 from loadtests.plot import pyplot, save_figure
@@ -71,6 +73,17 @@ class Case:
     requests: list[RequestSpec]
     start_s: float
     end_s: float
+
+
+def training_cases(profile: ReplicaProfile) -> list[Case]:
+    """The synthetic shapes at the training seeds (benchmarks/fit_forecast.py), where changes to the SLO policy are
+    measured before the benchmark's workloads see them."""
+    out = []
+    for shape in SHAPES:
+        for seed in TRAINING_SEEDS:
+            workload = scaled_to(profile.step_model, ShapedWorkload(shape, seed=seed))
+            out.append(Case(f"training {shape} seed {seed}", workload.requests(), WARMUP_S, workload.duration_s))
+    return out
 
 
 def cases(trace: Path, block_size: int, profile: ReplicaProfile) -> list[Case]:
@@ -165,6 +178,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
     parser.add_argument("--levers", action="store_true", help="also run the SLO policy without each of its parts, "
                                                               "and every policy with a 30 s downscale delay")
+    parser.add_argument("--training", action="store_true",
+                        help="run the training workloads (the synthetic shapes at the training seeds) instead")
     parser.add_argument("--out", default="results/bench_autoscale.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -177,7 +192,7 @@ def main() -> None:
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
     slo = SLO(args.slo_ttft_s, args.slo_itl_s, args.slo_percentile)
-    workloads = cases(args.trace, args.block_size, profile)
+    workloads = training_cases(profile) if args.training else cases(args.trace, args.block_size, profile)
     curve_names = [f"ongoing_requests:{t}" for t in TARGETS]
     delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
     jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays
