@@ -14,7 +14,8 @@ and the load it is offered (requests and tokens of work arriving per second: aut
 3. scales in only when fewer replicas would still cover that, every replica has reported, and no replica was
    overloaded for a lead time;
 4. keeps the queue + KV policy as a safety net (autoscaling/policy.py, its waiting mark set to the requests a
-   replica gets through in one TTFT objective): past its high marks it scales out whatever the forecast says.
+   replica gets through in one TTFT objective): past its high marks it scales out whatever the forecast says,
+   once the replicas already asked for are running.
 
 `slo_decision` is a pure function of DeploymentSignals, an SLOConfig and the state it returned last time;
 `SLOPolicy` adapts it to Ray Serve (`"policy_function": "autoscaling.slo_policy:SLOPolicy"`).
@@ -121,6 +122,12 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
     plan = _plan(signals, config, state, reported)
     wanted = plan.replicas
     overload = _safety_net(signals, config, plan, state)
+    if overload is not None and target > n:
+        # Replicas asked for are starting: they take their share of the queue when they arrive. Asking for more on
+        # every tick meanwhile (the queue only grows until they do) stacked a burst's 5 replicas up to 11, which
+        # arrived as it ended and stayed for a downscale delay. The overload still blocks a scale-in.
+        state["last_overloaded_at"] = now
+        overload = None
     if overload is not None:
         state["last_overloaded_at"] = now
         wanted = max(wanted, overload.num_replicas)

@@ -97,6 +97,18 @@ def test_the_queue_and_kv_safety_net_scales_out_when_the_forecast_says_the_load_
     assert slo_decision(signals(covered, now=610.0), FIXED, state).num_replicas == 3
 
 
+def test_the_safety_net_waits_for_the_replicas_already_starting_but_still_blocks_a_scale_in():
+    queued = [replica(100.0, waiting=40.0)] * 2  # 16 times the mark (2 s of one replica's work)
+    starting = slo_decision(signals(queued, target=3, now=600.0), FIXED, settled([replica(100.0)] * 2))
+    # The plan drains the queue within a lead time: (200 + 80 * 400 / 31) / (500 * 0.8) -> 4 replicas. The queue
+    # + KV rule alone would have asked for 5 on top of the one starting; the replicas starting take their share of
+    # the queue before more are asked for.
+    assert starting.num_replicas == 4 and "overloaded" not in starting.reason
+    assert starting.state["last_overloaded_at"] == 600.0  # ... and a scale-in stays blocked
+    arrived = slo_decision(signals([replica(100.0, waiting=40.0)] * 4, now=630.0), FIXED, starting.state)
+    assert arrived.num_replicas > 4 and "overloaded" in arrived.reason
+
+
 def test_holds_while_a_replica_has_not_reported_or_starts():
     covered = [replica(100.0)] * 3
     assert slo_decision(signals(covered + [None], now=600.0), FIXED, settled(covered)).num_replicas == 4
