@@ -122,15 +122,15 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
     plan = _plan(signals, config, state, reported)
     wanted = plan.replicas
     overload = _safety_net(signals, config, plan, state)
-    if overload is not None and target > n:
-        # Replicas asked for are starting: they take their share of the queue when they arrive. Asking for more on
-        # every tick meanwhile (the queue only grows until they do) stacked a burst's 5 replicas up to 11, which
-        # arrived as it ended and stayed for a downscale delay. The overload still blocks a scale-in.
-        state["last_overloaded_at"] = now
-        overload = None
     if overload is not None:
-        state["last_overloaded_at"] = now
-        wanted = max(wanted, overload.num_replicas)
+        state["last_overloaded_at"] = now  # blocks a scale-in for a lead time
+        if target > n:
+            # Replicas asked for are starting: they take their share of the queue when they arrive. Asking for more
+            # on every tick meanwhile (the queue only grows until they do) stacked a burst's 5 replicas up to 11,
+            # which arrived as it ended and stayed for a downscale delay.
+            overload = None
+        else:
+            wanted = max(wanted, overload.num_replicas)
     if wanted > target:
         reason = f"overloaded ({overload.reason})" if overload and overload.num_replicas >= wanted else plan.describe()
         return decide(wanted, reason)

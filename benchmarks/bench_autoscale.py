@@ -21,8 +21,9 @@ show their means. Per workload:
 - SLO attainment: the share of the window's requests that met both objectives.
 
 `--training` runs the synthetic shapes at the training seeds instead (benchmarks/fit_forecast.py's), where
-changes to the SLO policy are measured before the benchmark sees them. `--levers` also runs the SLO policy without each of its parts, and every policy with a 30 s downscale delay, to
-show what each part gives. Writes JSON, the curves (PNG) and the replica counts over time (PNG).
+changes to the SLO policy are measured before the benchmark sees them. `--levers` also runs the SLO policy without
+each of its parts, and every policy with a 30 s downscale delay, to show what each part gives. Writes JSON, the
+curves (PNG) and the replica counts over time (PNG).
 
     python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
 """

@@ -98,7 +98,7 @@ def test_the_queue_and_kv_safety_net_scales_out_when_the_forecast_says_the_load_
 
 
 def test_the_safety_net_waits_for_the_replicas_already_starting_but_still_blocks_a_scale_in():
-    queued = [replica(100.0, waiting=40.0)] * 2  # 16 times the mark (2 s of one replica's work)
+    queued = [replica(100.0, waiting=40.0)] * 2  # 16 times the mark (what one replica gets through in 2 s)
     starting = slo_decision(signals(queued, target=3, now=600.0), FIXED, settled([replica(100.0)] * 2))
     # The plan drains the queue within a lead time: (200 + 80 * 400 / 31) / (500 * 0.8) -> 4 replicas. The queue
     # + KV rule alone would have asked for 5 on top of the one starting; the replicas starting take their share of
