@@ -76,15 +76,16 @@ class Case:
     end_s: float
 
 
+def synthetic_case(name: str, shape: str, seed: int, profile: ReplicaProfile) -> Case:
+    workload = scaled_to(profile.step_model, ShapedWorkload(shape, seed=seed))
+    return Case(name, workload.requests(), WARMUP_S, workload.duration_s)
+
+
 def training_cases(profile: ReplicaProfile) -> list[Case]:
     """The synthetic shapes at the training seeds (benchmarks/fit_forecast.py), where changes to the SLO policy are
     measured before the benchmark's workloads see them."""
-    out = []
-    for shape in SHAPES:
-        for seed in TRAINING_SEEDS:
-            workload = scaled_to(profile.step_model, ShapedWorkload(shape, seed=seed))
-            out.append(Case(f"training {shape} seed {seed}", workload.requests(), WARMUP_S, workload.duration_s))
-    return out
+    return [synthetic_case(f"training {shape} seed {seed}", shape, seed, profile)
+            for shape in SHAPES for seed in TRAINING_SEEDS]
 
 
 def cases(trace: Path, block_size: int, profile: ReplicaProfile) -> list[Case]:
@@ -94,10 +95,7 @@ def cases(trace: Path, block_size: int, profile: ReplicaProfile) -> list[Case]:
     second = [dataclasses.replace(r, arrival_s=r.arrival_s - shift) for r in rows if r.arrival_s >= shift]
     out = [Case("mooncake first half", [r for r in rows if r.arrival_s < middle], WARMUP_S, middle),
            Case("mooncake second half", second, WARMUP_S, rows[-1].arrival_s - shift)]
-    for shape in SHAPES:
-        workload = scaled_to(profile.step_model, ShapedWorkload(shape, seed=0))
-        out.append(Case(f"synthetic {shape}", workload.requests(), WARMUP_S, workload.duration_s))
-    return out
+    return out + [synthetic_case(f"synthetic {shape}", shape, 0, profile) for shape in SHAPES]
 
 
 @dataclass(frozen=True)

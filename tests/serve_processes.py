@@ -137,6 +137,18 @@ def wait_until_idle(serve_app, timeout_s: float, num_replicas: int = 2) -> list:
         time.sleep(0.2)
 
 
+def wait_until_busy(serve_app, timeout_s: float) -> list:
+    """Each engine replica's stats once one runs a request that holds KV blocks (or when time runs out). A replica
+    busy stepping may miss one stats call's timeout and be left out of that call: this asks again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = serve_app.engine_replica_stats()
+        busy = sum(s.num_running for s in stats) >= 1 and sum(s.num_used_kv_blocks for s in stats) > 0
+        if busy or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
 def wait_for_replicas(serve_app, num_replicas: int, timeout_s: float, without: set[str] = frozenset()) -> list:
     """Stats of the engine replicas once exactly `num_replicas` answer and none of `without` is among them."""
     deadline = time.monotonic() + timeout_s

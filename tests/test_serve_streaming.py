@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serve_processes import wait_until_idle
+from tests.serve_processes import wait_until_busy, wait_until_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -62,14 +61,8 @@ def test_client_disconnect_frees_the_replica(serve_app, path, body):
                     events += 1
                 if events >= 6:
                     break
-            # A replica busy stepping may miss one stats call's timeout (it is then left out): ask again, bounded.
-            deadline = time.monotonic() + 30
-            while True:
-                busy = serve_app.engine_replica_stats()
-                if sum(s.num_running for s in busy) >= 1 and sum(s.num_used_kv_blocks for s in busy) > 0:
-                    break
-                assert time.monotonic() < deadline, busy
-                time.sleep(0.5)
+            busy = wait_until_busy(serve_app, 30)
+            assert sum(s.num_running for s in busy) >= 1 and sum(s.num_used_kv_blocks for s in busy) > 0, busy
     # The connection is closed here, long before 2,000 tokens.
     stats = wait_until_idle(serve_app, 5)
     assert all(s.num_running == 0 and s.num_waiting == 0 for s in stats), stats
