@@ -45,13 +45,54 @@ def grammar_spec(spec: StructuredOutput) -> str:
                 raise ValueError("a JSON schema is an object")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         if spec.regex is not None:
-            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_shorthands(spec.regex))
         if spec.choice is not None:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar or ""))
     except Exception as exc:  # any failure to read a caller's spec (llguidance's converters raise their own types)
         raise InvalidRequestError(f"the structured output spec is not valid: {str(exc):.500}", "response_format",
                                   "invalid_grammar") from exc
+
+
+_SHORTHANDS = {"d": ("0-9", "digit"), "w": ("0-9A-Za-z_", "word")}
+
+
+def ascii_shorthands(pattern: str) -> str:
+    """`pattern` with `\\d`, `\\w` (and `\\D`, `\\W`) meaning ASCII digits and word characters, as in JSON Schema,
+    Outlines and xgrammar. llguidance's regexes follow Unicode, where `\\d` also matches the 700-odd other decimal
+    digits (U+1FBF0 is one): a small model asked for `\\d{3}` wanders into them, each several tokens long.
+    Inside a class `[...]` they become POSIX classes (`[[:digit:].]`); escaped backslashes stay as they are."""
+    out: list[str] = []
+    depth = 0  # nesting of character classes (`[a-z&&[^aeiou]]` nests)
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            if e.lower() in _SHORTHANDS:
+                chars, posix = _SHORTHANDS[e.lower()]
+                negated = "^" if e.isupper() else ""
+                out.append(f"[:{negated}{posix}:]" if depth else f"[{negated}{chars}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if depth and c == "[" and pattern.startswith(":", i + 1) and pattern.find(":]", i + 2) > 0:
+            end = pattern.find(":]", i + 2) + 2  # a POSIX class inside a class: copied whole
+            out.append(pattern[i:end])
+            i = end
+            continue
+        out.append(c)
+        i += 1
+        if c == "[":
+            depth += 1
+            for literal in ("^", "]"):  # `[^` negates; a `]` first in a class is a literal
+                if pattern.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+        elif c == "]" and depth:
+            depth -= 1
+    return "".join(out)
 
 
 @functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)  # only valid specs are remembered: a raise is not cached

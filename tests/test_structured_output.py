@@ -12,6 +12,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import load_model_source, load_tokenizer
 from engine.sampling_params import InvalidRequestError, StructuredOutput
+from engine.structured_output import GrammarCompiler, ascii_shorthands
 from tests.tiny_models import write_tiny_model
 
 SCHEMA = {"type": "object", "properties": {
@@ -102,6 +103,32 @@ def test_bad_specs_are_refused_at_the_border(smollm2_path, smollm2):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         engine.add_request("bad", [1, 2, 3], SamplingParams(logit_bias={10**6: 1.0}))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("pattern,ascii", [
+    (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+    (r"\D\w+\W", "[^0-9][0-9A-Za-z_]+[^0-9A-Za-z_]"),
+    (r"[\d.]+|[^\w\s]", "[[:digit:].]+|[^[:word:]\\s]"),
+    (r"\\d[\]\d]", "\\\\d[\\][:digit:]]"),  # an escaped backslash, then a class holding `]` and digits
+    (r"[]\d][^]\D]", "[][:digit:]][^][:^digit:]]"),  # `]` first in a class is a literal
+    (r"[[:alpha:]\d]x\d", "[[:alpha:][:digit:]]x[0-9]"),
+])
+def test_regex_shorthands_mean_ascii(pattern, ascii):
+    assert ascii_shorthands(pattern) == ascii
+    assert re.fullmatch(ascii_shorthands(r"\d{3}"), "123")
+
+
+@pytest.mark.slow
+def test_a_regex_digit_is_an_ascii_digit(smollm2_path, smollm2):
+    compiler = GrammarCompiler(smollm2_path, smollm2[0][0].vocab_size, eos_token_id=smollm2[1].eos_token_id)
+    try:
+        template = compiler.submit(StructuredOutput(regex=r"\d{3}-\w")).result(timeout=60)
+        for text, ok in (("123-a", True), ("\U0001FBF0\U0001FBF0\U0001FBF0-a", False), ("\u0661\u0662\u0663-a", False),
+                         ("123-\u00e9", False)):
+            tokens = smollm2[1].encode(text, add_special_tokens=False)
+            assert (template.deep_copy().validate_tokens(tokens) == len(tokens)) == ok, text
+    finally:
+        compiler.shutdown()
 
 
 def test_prompt_logprobs_match_transformers_and_skip_the_prefix_cache(tmp_path):
