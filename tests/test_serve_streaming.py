@@ -54,10 +54,14 @@ def test_client_disconnect_frees_the_replica(serve_app, path, body):
     with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
         with http.stream("POST", path, json=payload) as response:
             assert response.status_code == 200
+            # Held in a name: a line iterator dropped mid-stream is closed, and closing it closes the connection
+            # (httpx), so breaking out of `for line in response.iter_lines()` would hang up right here.
+            lines = response.iter_lines()
             events = 0
-            for line in response.iter_lines():
+            for line in lines:
                 if line.startswith("data: {"):
-                    assert "error" not in json.loads(line[6:])
+                    event = json.loads(line[6:])
+                    assert "error" not in event and all(c["finish_reason"] is None for c in event["choices"]), event
                     events += 1
                 if events >= 6:
                     break
