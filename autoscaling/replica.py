@@ -61,6 +61,7 @@ class SimReplica:
         self.replica_id = replica_id
         self.engine = engine
         self.step_model = step_model
+        self.slowdown = 1.0  # the next step's time as a multiple of the model's (set by the cluster around it)
         self.started_at = started_at
         self.ready_at = ready_at
         self.stopped_at: float | None = None
@@ -184,7 +185,7 @@ class SimReplica:
             else:
                 prefill += num_new
                 attention += num_new * (request.computed + num_new / 2) / 1e6
-        seconds = self.step_model.seconds(prefill, decodes, context, attention)
+        seconds = self.slowdown * self.step_model.seconds(prefill, decodes, context, attention)
         return StepStats(now, seconds, prefill, decodes, context, attention)
 
     def _blocks(self, num_tokens: int) -> int:

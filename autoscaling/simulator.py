@@ -91,6 +91,10 @@ class ClusterConfig:
     control_interval_s: float = 0.5  # Serve's loop runs every 0.1 s; decisions only move at the delays' pace
     max_ongoing_requests: int = 256
     prefix_cache: bool = True
+    # A step's time as a multiple of the profile's while another replica steps at the same time: replicas that
+    # share a node's cores with the serving processes (the proxy, the ingress, a load client) slow each other
+    # down, which a profile measured on one engine alone does not see. 1.0: each replica has its own hardware.
+    busy_slowdown: float = 1.0
     seed: int = 0
     max_sim_s: float = 24 * 3600.0
 
@@ -323,6 +327,9 @@ class Simulation:
 
     def _maybe_step(self, replica: SimReplica, now: float) -> None:
         if replica.step is None and replica.state in ("running", "draining"):
+            if self.cluster.busy_slowdown != 1.0:
+                others_busy = any(r.step is not None for r in self._live("running", "draining") if r is not replica)
+                replica.slowdown = self.cluster.busy_slowdown if others_busy else 1.0
             step = replica.start_step(now)
             if step is not None:
                 self._push(now + step.seconds, "step_end", replica)

@@ -12,10 +12,17 @@ set from the calibrated profile's capacity for the workload's request sizes), pr
 random tokens (no shared prefix), each asking for its own number of tokens with ignore_eos, streamed. Every
 second the run samples how many engine replicas are alive, and every ten seconds the replicas' step correction.
 
+Then a minute and a half at the busy phase's load on two replicas (the app redeployed with `min_replicas: 2`,
+then back): two replicas stepping at once slow each other down (with the serving processes they need more than
+the two cores), which a calibration on one cannot see. The slowdown of a step while the other replica steps
+(the simulator's `busy_slowdown`) is the one with which the simulator, replaying those requests on two replicas,
+reports the step correction the real replicas reported.
+
 The simulator replays the very same requests (arrival times, prompt and output tokens) with the same policy,
-delays and bounds: a priori, on the profile scaled by the calibration's correction, with the policy's default
-start-up time (what was known before the run); a posteriori, with the correction and start-up time the run
-measured. Writes JSON and a PNG. Holds the CPU for about 15 minutes: run it alone.
+delays and bounds: a priori, on the profile scaled by the calibration's correction, with the calibrated busy
+slowdown and the policy's default start-up time (what was known before the run); a posteriori, with the
+corrections (one replica running, and two) and the start-up time the run measured. Writes JSON and a PNG. Holds
+the CPU for about 20 minutes: run it alone.
 
     flock /tmp/tokenline-heavy.lock python -m benchmarks.validate_autoscale --model MODEL \\
         --out results/validate_autoscale.json
@@ -37,7 +44,7 @@ import numpy as np
 from autoscaling.capacity import CapacityModel, RequestSizes
 from autoscaling.report import Summary, summarize
 from autoscaling.serve_rules import ServeAutoscalingConfig
-from autoscaling.simulator import ClusterConfig, SimResult, SLOSimPolicy, simulate
+from autoscaling.simulator import ClusterConfig, SimResult, Simulation, SLOSimPolicy, simulate
 from autoscaling.slo_policy import SLOConfig
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile, StepTimeModel
 from autoscaling.workload import RequestSpec
@@ -51,11 +58,13 @@ log = logging.getLogger("validate_autoscale")
 TOLERANCE = 0.15
 # (seconds, request rate as a share of one replica's at the calibrated speed). The busy phase needs a second
 # replica, and leaves two room: with both busy, the replicas' steps ran 1.3x slower than with one (1.50 -> 1.96
-# the profile's here, the proxy, the ingress and this client sharing the two cores), which a calibration on one
-# replica cannot see; at 1.5 two replicas were saturated, and a queue that grows without bound is no test of a
-# prediction (30% attainment for real against 88% predicted, and 39% with the correction measured in the run).
+# the profile's here, the proxy, the ingress and this client sharing the two cores; PAIR_CALIBRATION measures it);
+# at 1.5 two replicas were saturated, and a queue that grows without bound is no test of a prediction (30%
+# attainment for real against 88% predicted, and 39% with the correction measured in the run).
 PHASES = ((150.0, 0.35), (210.0, 1.2), (240.0, 0.35))
 CALIBRATION = ((90.0, 0.35),)
+PAIR_CALIBRATION = ((90.0, PHASES[1][1]),)  # on two replicas: the busy phase's load
+MAX_SLOWDOWN = 4.0  # the busy slowdown's fit looks up to this
 INPUT_MEAN, INPUT_CV, MAX_INPUT = 200, 0.6, 800
 OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT = 100, 0.6, 400
 KV_CACHE_BYTES = 512 << 20  # serve_config.yaml's, as the profile was measured with
@@ -91,12 +100,14 @@ class RealRun:
     ttft_s: list[float | None]
     itl_s: list[float | None]
     replicas: list[tuple[float, int]]  # (seconds into the run, engine replicas alive)
-    corrections: list[float]
+    corrections: list[tuple[int, float]]  # (engine replicas running, one replica's step correction), every 10 s
     startup_s: list[float]  # each scale-out: asked for (a replica appears) -> running
     errors: int
     calibration: float  # the replicas' step correction after the calibrating load
     calibration_requests: list[RequestSpec]  # the calibrating load, as sent
     calibration_ttft_s: list[float | None]  # and its TTFTs at the client
+    pair_correction: float  # the two replicas' step correction after the busy load on both
+    pair_requests: list[RequestSpec]  # that load, as sent
 
 
 def scaled(profile: ReplicaProfile, correction: float) -> ReplicaProfile:
@@ -116,6 +127,10 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     from loadtests.runner import RunLimits, run_load
 
     autoscaling = AutoscalingArgs(enabled=True, policy="slo", min_replicas=1, max_replicas=2, slo=config)
+    pair_args = AppArgs(model=model, num_engine_replicas=2, engine_num_cpus=1, ingress_max_replicas=1,
+                        engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES),
+                        router=RouterArgs(policy="power_of_two"),
+                        autoscaling=dataclasses.replace(autoscaling, min_replicas=2))
     args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
                    engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
@@ -130,7 +145,7 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     calibrating = load_specs_of(calibration_specs)
     app = local.start(args, num_cpus=2)
     samples: list[tuple[float, int, int]] = []  # (time, alive, running)
-    corrections: list[float] = []
+    corrections: list[tuple[int, float]] = []
     stop = threading.Event()
 
     def watch(started: float) -> None:
@@ -139,7 +154,7 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
             states = _engine_states()
             samples.append((time.time() - started, sum(states.values()), states.get("RUNNING", 0)))
             if time.time() - last_correction >= 10:
-                corrections.extend(_step_corrections())
+                corrections.extend((states.get("RUNNING", 0), c) for c in _step_corrections())
                 last_correction = time.time()
             stop.wait(1.0)
 
@@ -149,12 +164,19 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
         calibrated = asyncio.run(run_load(endpoint, LoadMode(trace=True), calibrating,
                                           RunLimits(max_requests=len(calibrating)), progress=False))
         calibration = float(np.median(_step_corrections() or [1.0]))
+        log.info("calibrated: the replica's steps run %.2fx the profile's", calibration)
+        pair_specs = workload(scaled(profile, calibration), config, seed + 2, PAIR_CALIBRATION)
+        app.redeploy(pair_args)
+        _wait_for_engine_replicas(2)
+        pairing = load_specs_of(pair_specs)
+        paired = asyncio.run(run_load(endpoint, LoadMode(trace=True), pairing, RunLimits(max_requests=len(pairing)),
+                                      progress=False))
+        pair_correction = float(np.median(_step_corrections() or [calibration]))
+        log.info("two replicas busy at once: their steps run %.2fx the profile's", pair_correction)
+        app.redeploy(args)
         specs = workload(scaled(profile, calibration), config, seed)
         load_specs = load_specs_of(specs)
-        log.info("calibrated: the replicas' steps run %.2fx the profile's", calibration)
-        deadline = time.monotonic() + 300  # the run starts, as the simulation does, from one replica
-        while sum(_engine_states().values()) != 1 and time.monotonic() < deadline:
-            time.sleep(1)
+        _wait_for_engine_replicas(1)  # the run starts, as the simulation does, from one replica
         started = time.time()
         watcher = threading.Thread(target=watch, args=(started,), daemon=True)
         watcher.start()
@@ -167,8 +189,20 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
         app.stop()
     sent, ttft, itl, errors = _measured(specs, load_specs, result, started)
     calibration_sent, calibration_ttft, _, _ = _measured(calibration_specs, calibrating, calibrated, None)
+    pair_sent, _, _, _ = _measured(pair_specs, pairing, paired, None)
     return RealRun(sent, ttft, itl, [(t, alive) for t, alive, _ in samples], corrections, _startups(samples),
-                   errors, calibration, calibration_sent, calibration_ttft)
+                   errors, calibration, calibration_sent, calibration_ttft, pair_correction, pair_sent)
+
+
+def _wait_for_engine_replicas(count: int, timeout_s: float = 300.0) -> None:
+    """Until exactly `count` engine replicas exist, all running (a redeploy's old ones gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = _engine_states()
+        if sum(states.values()) == count and states.get("RUNNING", 0) == count:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"engine replicas {_engine_states()}, wanted {count} running")
 
 
 def _measured(specs: list[RequestSpec], load_specs: list, result, started: float | None) -> tuple:
@@ -254,17 +288,44 @@ def replicas_at(points: list[tuple[float, int]], times: np.ndarray) -> np.ndarra
     return counts[np.clip(np.searchsorted(ts, times, side="right") - 1, 0, len(counts) - 1)]
 
 
-def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
-              end_s: float) -> tuple[SimResult, Summary]:
+def cluster_config(startup_s: float, busy_slowdown: float = 1.0, min_replicas: int = 1) -> ClusterConfig:
+    """The run's cluster as the simulator sees it: AppArgs' delays, 1 to 2 replicas (`min_replicas` at first)."""
     defaults = AutoscalingArgs()
-    serve = ServeAutoscalingConfig(min_replicas=1, max_replicas=2, upscale_delay_s=defaults.upscale_delay_s,
+    serve = ServeAutoscalingConfig(min_replicas=min_replicas, max_replicas=2, upscale_delay_s=defaults.upscale_delay_s,
                                    downscale_delay_s=defaults.downscale_delay_s,
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
-    cluster = ClusterConfig(serve=serve, initial_replicas=1, startup_s=startup_s,
-                            graceful_shutdown_timeout_s=AppArgs().limits.graceful_shutdown_timeout_s)
-    result = simulate(specs, profile, SLOSimPolicy(config), cluster)
+    return ClusterConfig(serve=serve, initial_replicas=min_replicas, startup_s=startup_s, busy_slowdown=busy_slowdown,
+                         graceful_shutdown_timeout_s=AppArgs().limits.graceful_shutdown_timeout_s)
+
+
+def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
+              end_s: float, busy_slowdown: float = 1.0) -> tuple[SimResult, Summary]:
+    result = simulate(specs, profile, SLOSimPolicy(config), cluster_config(startup_s, busy_slowdown))
     return result, summarize(result, config.slo, 0.0, end_s)
+
+
+def pair_correction_of(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig,
+                       busy_slowdown: float) -> float:
+    """The step correction (against `profile`) two simulated replicas report, as the real ones were asked, once
+    `specs` are served on both with `busy_slowdown`: the mean of the two."""
+    simulation = Simulation(specs, profile, SLOSimPolicy(config),
+                            cluster_config(config.startup_s, busy_slowdown, min_replicas=2))
+    end = simulation.run().duration_s
+    return float(np.mean([r.load.steps.correction(end) for r in simulation.replicas if r.load is not None]))
+
+
+def fit_busy_slowdown(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, ratio: float) -> float:
+    """The busy slowdown with which the simulator's two replicas report `ratio` times the one-replica correction
+    (`profile` is already scaled by it) for the requests they served: the real pair's correction over the single
+    replica's. Steps overlap only part of the time, so the slowdown is above the ratio."""
+    low, high = 1.0, MAX_SLOWDOWN  # the reported correction grows with the slowdown: bisect
+    if pair_correction_of(specs, profile, config, low) >= ratio:
+        return low
+    for _ in range(12):
+        middle = (low + high) / 2
+        low, high = (middle, high) if pair_correction_of(specs, profile, config, middle) < ratio else (low, middle)
+    return (low + high) / 2
 
 
 def serving_overhead(run: RealRun, profile: ReplicaProfile, config: SLOConfig) -> float:
@@ -318,11 +379,18 @@ def main() -> None:
     real_counts = replicas_at(run.replicas, times)
 
     overhead = serving_overhead(run, profile, config)
-    prior_result, _ = simulated(run.requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    calibrated = scaled(profile, run.calibration)
+    slowdown = fit_busy_slowdown(run.pair_requests, calibrated, config, run.pair_correction / run.calibration)
+    prior_result, _ = simulated(run.requests, calibrated, config, config.startup_s, end_s, slowdown)
     prior = summarize(with_overhead(prior_result, overhead), config.slo, 0.0, end_s)
     measured_startup = float(np.mean(run.startup_s)) if run.startup_s else config.startup_s
-    correction = float(np.median(run.corrections)) if run.corrections else run.calibration
-    post_result, _ = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s)
+    alone = [c for running, c in run.corrections if running == 1]
+    both = [c for running, c in run.corrections if running == 2]
+    correction = float(np.median(alone)) if alone else run.calibration
+    pair = float(np.median(both)) if both else run.pair_correction
+    post_slowdown = fit_busy_slowdown(run.pair_requests, scaled(profile, correction), config, pair / correction)
+    post_result, _ = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s,
+                               post_slowdown)
     post = summarize(with_overhead(post_result, overhead), config.slo, 0.0, end_s)
     sim_counts = [replicas_at([(p.t, p.running + p.starting + p.draining) for p in r.timeline], times)
                   for r in (prior_result, post_result)]
@@ -330,7 +398,10 @@ def main() -> None:
               "a_posteriori": compare(real, post, real_counts, sim_counts[1]),
               "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,
                            "serving_overhead_s": overhead,
-                           "step_correction_median": correction,
+                           "pair_calibration_step_correction": run.pair_correction,
+                           "busy_slowdown_calibrated": slowdown,
+                           "step_correction_median_one_running": correction,
+                           "step_correction_median_two_running": pair, "busy_slowdown_in_the_run": post_slowdown,
                            "step_corrections": run.corrections, "load_average_before": load_before,
                            "load_average_after": load_after},
               "workload": {"phases": PHASES, "input": [INPUT_MEAN, INPUT_CV, MAX_INPUT],
@@ -341,7 +412,9 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items())
               + f" -> {'within' if report[name]['within_tolerance'] else 'NOT within'} {TOLERANCE:.0%}")
     print(f"real: {real}; serving path {overhead * 1000:.0f} ms of a TTFT (calibrated); "
-          f"step correction {run.calibration:.2f} calibrated, {correction:.2f} in the run (median), "
+          f"step correction {run.calibration:.2f} calibrated ({run.pair_correction:.2f} with two busy: busy "
+          f"slowdown {slowdown:.3f}), {correction:.2f} in the run with one running and {pair:.2f} with two (busy "
+          f"slowdown {post_slowdown:.3f}), "
           f"start-ups {run.startup_s}, load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     out = Path(args.out)

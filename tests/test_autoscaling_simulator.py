@@ -162,3 +162,27 @@ def test_a_lone_replica_offered_its_saturation_rate_keeps_up_below_it_and_falls_
     assert last_wait(1.2) > 20.0  # falls behind: the queue grew all along
     scaled = scaled_to(PROFILE.step_model, ShapedWorkload("bursts", seed=5))
     assert scaled.rate == pytest.approx(REPLICAS_OF_WORK * saturation, rel=0.1)
+
+
+def test_busy_slowdown_stretches_the_steps_of_replicas_that_step_at_the_same_time_only():
+    fixed = ClusterConfig(serve=ServeAutoscalingConfig(min_replicas=2, max_replicas=2), initial_replicas=2)
+    slowed = dataclasses.replace(fixed, busy_slowdown=1.5)
+    policy = OngoingRequestsPolicy(target_ongoing_requests=8.0)
+    pair = [RequestSpec(0.0, 64, 200), RequestSpec(0.0, 64, 200)]  # one on each replica, decoding side by side
+    alone = [RequestSpec(0.0, 64, 200)]
+    finish = lambda result: max(r.finish_s for r in result.requests)  # noqa: E731
+    assert finish(simulate(pair, PROFILE, policy, slowed)) == pytest.approx(
+        1.5 * finish(simulate(pair, PROFILE, policy, fixed)), rel=0.02)
+    assert finish(simulate(alone, PROFILE, policy, slowed)) == finish(simulate(alone, PROFILE, policy, fixed))
+
+
+def test_validate_autoscale_fits_back_the_busy_slowdown_two_replicas_reported():
+    from autoscaling.slo_policy import SLOConfig
+    from benchmarks.validate_autoscale import PAIR_CALIBRATION, fit_busy_slowdown, pair_correction_of, workload
+
+    config = SLOConfig()
+    specs = workload(PROFILE, config, seed=3, phases=PAIR_CALIBRATION)
+    reported = pair_correction_of(specs, PROFILE, config, busy_slowdown=1.5)
+    assert 1.2 < reported < 1.5  # the two replicas' steps overlap most of the time, not always
+    assert fit_busy_slowdown(specs, PROFILE, config, reported) == pytest.approx(1.5, abs=0.05)
+    assert fit_busy_slowdown(specs, PROFILE, config, 0.9) == 1.0  # faster side by side: no slowdown
