@@ -130,7 +130,7 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     pair_args = AppArgs(model=model, num_engine_replicas=2, engine_num_cpus=1, ingress_max_replicas=1,
                         engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES),
                         router=RouterArgs(policy="power_of_two"),
-                        autoscaling=dataclasses.replace(autoscaling, min_replicas=2))
+                        autoscaling=autoscaling.model_copy(update={"min_replicas": 2}))
     args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
                    engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
