@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--startup-s", type=float, default=15.0, help="replica asked for -> serving")
     serve.add_argument("--graceful-shutdown-timeout-s", type=float, default=60.0)
     serve.add_argument("--control-interval-s", type=float, default=0.5)
+    serve.add_argument("--busy-slowdown", type=float, default=1.0,
+                       help="a step's time multiplier while another replica steps too (replicas sharing cores)")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
     parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
@@ -119,7 +121,7 @@ def cluster_from(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(serve=serve, initial_replicas=initial,
                          startup_s=args.startup_s, graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
                          control_interval_s=args.control_interval_s, prefix_cache=not args.no_prefix_cache,
-                         seed=args.seed)
+                         busy_slowdown=args.busy_slowdown, seed=args.seed)
 
 
 def main() -> None:
