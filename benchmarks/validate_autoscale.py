@@ -127,13 +127,11 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
     from loadtests.runner import RunLimits, run_load
 
     autoscaling = AutoscalingArgs(enabled=True, policy="slo", min_replicas=1, max_replicas=2, slo=config)
-    pair_args = AppArgs(model=model, num_engine_replicas=2, engine_num_cpus=1, ingress_max_replicas=1,
-                        engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES),
-                        router=RouterArgs(policy="power_of_two"),
-                        autoscaling=autoscaling.model_copy(update={"min_replicas": 2}))
     args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
                    engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
+    pair_args = args.model_copy(update={"num_engine_replicas": 2,
+                                        "autoscaling": autoscaling.model_copy(update={"min_replicas": 2})})
     builder = PromptBuilder(load_tokenizer(model), seed=seed)
 
     def load_specs_of(specs: list[RequestSpec]) -> list[LoadSpec]:
