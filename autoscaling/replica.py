@@ -61,7 +61,6 @@ class SimReplica:
         self.replica_id = replica_id
         self.engine = engine
         self.step_model = step_model
-        self.slowdown = 1.0  # the next step's time as a multiple of the model's (set by the cluster around it)
         self.started_at = started_at
         self.ready_at = ready_at
         self.stopped_at: float | None = None
@@ -102,8 +101,9 @@ class SimReplica:
             metrics.update(self.load.metrics(now))
         return replica_signals(metrics)
 
-    def start_step(self, now: float) -> ScheduledStep | None:
-        """Schedules the next step (None when there is nothing to run); its tokens land at now + step.seconds."""
+    def start_step(self, now: float, slowdown: float = 1.0) -> ScheduledStep | None:
+        """Schedules the next step (None when there is nothing to run); its tokens land at now + step.seconds,
+        `slowdown` times the step model's time."""
         step = ScheduledStep()
         budget = self.engine.max_num_batched_tokens
         preempted = False
@@ -137,7 +137,7 @@ class SimReplica:
             budget -= num_new
         if not step.batch:
             return None
-        step.stats = self._stats(step, now)
+        step.stats = self._stats(step, now, slowdown)
         self.step = step
         return step
 
@@ -175,7 +175,7 @@ class SimReplica:
         self.state, self.stopped_at = "stopped", now
         return lost
 
-    def _stats(self, step: ScheduledStep, now: float) -> StepStats:
+    def _stats(self, step: ScheduledStep, now: float, slowdown: float) -> StepStats:
         prefill = decodes = context = 0
         attention = 0.0
         for request, num_new in step.batch:
@@ -185,7 +185,7 @@ class SimReplica:
             else:
                 prefill += num_new
                 attention += num_new * (request.computed + num_new / 2) / 1e6
-        seconds = self.slowdown * self.step_model.seconds(prefill, decodes, context, attention)
+        seconds = slowdown * self.step_model.seconds(prefill, decodes, context, attention)
         return StepStats(now, seconds, prefill, decodes, context, attention)
 
     def _blocks(self, num_tokens: int) -> int:

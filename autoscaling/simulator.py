@@ -327,10 +327,10 @@ class Simulation:
 
     def _maybe_step(self, replica: SimReplica, now: float) -> None:
         if replica.step is None and replica.state in ("running", "draining"):
-            if self.cluster.busy_slowdown != 1.0:
-                others_busy = any(r.step is not None for r in self._live("running", "draining") if r is not replica)
-                replica.slowdown = self.cluster.busy_slowdown if others_busy else 1.0
-            step = replica.start_step(now)
+            slowdown = 1.0
+            if self.cluster.busy_slowdown != 1.0 and any(r.step is not None for r in self._live("running", "draining")):
+                slowdown = self.cluster.busy_slowdown  # another replica steps now (this one has no step yet)
+            step = replica.start_step(now, slowdown)
             if step is not None:
                 self._push(now + step.seconds, "step_end", replica)
 

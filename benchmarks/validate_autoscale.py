@@ -298,9 +298,27 @@ def cluster_config(startup_s: float, busy_slowdown: float = 1.0, min_replicas: i
 
 
 def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
-              end_s: float, busy_slowdown: float = 1.0) -> tuple[SimResult, Summary]:
-    result = simulate(specs, profile, SLOSimPolicy(config), cluster_config(startup_s, busy_slowdown))
-    return result, summarize(result, config.slo, 0.0, end_s)
+              busy_slowdown: float = 1.0) -> SimResult:
+    return simulate(specs, profile, SLOSimPolicy(config), cluster_config(startup_s, busy_slowdown))
+
+
+@dataclasses.dataclass
+class Prediction:
+    result: SimResult  # every token `overhead_s` later than simulated, as the client sees it
+    summary: Summary
+    replicas: np.ndarray  # engine replicas alive at each of the run's seconds
+
+
+def run_seconds(end_s: float) -> np.ndarray:
+    """The seconds at which replica counts are compared."""
+    return np.arange(0.0, end_s, 1.0)
+
+
+def predicted(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
+              busy_slowdown: float, overhead_s: float, end_s: float) -> Prediction:
+    result = with_overhead(simulated(specs, profile, config, startup_s, busy_slowdown), overhead_s)
+    alive = replicas_at([(p.t, p.running + p.starting + p.draining) for p in result.timeline], run_seconds(end_s))
+    return Prediction(result, summarize(result, config.slo, 0.0, end_s), alive)
 
 
 def pair_correction_of(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig,
@@ -331,8 +349,7 @@ def serving_overhead(run: RealRun, profile: ReplicaProfile, config: SLOConfig) -
     the client less the simulator's for the same requests on the calibrated profile (median). The proxy, the
     ingress (tokenizing, routing) and the stream back, which the simulator, a model of the engine replicas, leaves
     out."""
-    end_s = sum(seconds for seconds, _ in CALIBRATION)
-    result, _ = simulated(run.calibration_requests, scaled(profile, run.calibration), config, config.startup_s, end_s)
+    result = simulated(run.calibration_requests, scaled(profile, run.calibration), config, config.startup_s)
     sim_ttft = {r.index: r.first_token_s - r.spec.arrival_s for r in result.requests if r.first_token_s is not None}
     gaps = [real - sim_ttft[i] for i, real in enumerate(run.calibration_ttft_s) if real is not None and i in sim_ttft]
     return float(np.median(gaps)) if gaps else 0.0
@@ -348,7 +365,8 @@ def with_overhead(result: SimResult, overhead_s: float) -> SimResult:
     return dataclasses.replace(result, requests=[shifted(r) for r in result.requests])
 
 
-def compare(real: dict, sim: Summary, real_counts: np.ndarray, sim_counts: np.ndarray) -> dict:
+def compare(real: dict, prediction: Prediction, real_counts: np.ndarray) -> dict:
+    sim, sim_counts = prediction.summary, prediction.replicas
     rel = lambda ours, theirs: abs(ours - theirs) / max(abs(theirs), 1e-9)  # noqa: E731
     errors = {"goodput": rel(sim.goodput_rps, real["goodput_rps"]),
               "replica_seconds": rel(sim.replica_seconds, real["replica_seconds"]),
@@ -373,32 +391,25 @@ def main() -> None:
     run = run_real(args.model, profile, config, args.seed)
     load_after = os.getloadavg()
     real = real_summary(run, config, end_s)
-    times = np.arange(0.0, end_s, 1.0)
+    times = run_seconds(end_s)
     real_counts = replicas_at(run.replicas, times)
 
     overhead = serving_overhead(run, profile, config)
     calibrated = scaled(profile, run.calibration)
     slowdown = fit_busy_slowdown(run.pair_requests, calibrated, config, run.pair_correction / run.calibration)
-    prior_result, _ = simulated(run.requests, calibrated, config, config.startup_s, end_s, slowdown)
-    prior = summarize(with_overhead(prior_result, overhead), config.slo, 0.0, end_s)
-    flat_result, _ = simulated(run.requests, calibrated, config, config.startup_s, end_s)  # as before busy_slowdown
-    flat = summarize(with_overhead(flat_result, overhead), config.slo, 0.0, end_s)
+    prior = predicted(run.requests, calibrated, config, config.startup_s, slowdown, overhead, end_s)
+    flat = predicted(run.requests, calibrated, config, config.startup_s, 1.0, overhead, end_s)  # no busy slowdown
     measured_startup = float(np.mean(run.startup_s)) if run.startup_s else config.startup_s
     alone = [c for running, c in run.corrections if running == 1]
     both = [c for running, c in run.corrections if running == 2]
     correction = float(np.median(alone)) if alone else run.calibration
     pair = float(np.median(both)) if both else run.pair_correction
     post_slowdown = fit_busy_slowdown(run.pair_requests, scaled(profile, correction), config, pair / correction)
-    post_result, _ = simulated(run.requests, scaled(profile, correction), config, measured_startup, end_s,
-                               post_slowdown)
-    post = summarize(with_overhead(post_result, overhead), config.slo, 0.0, end_s)
-    sim_counts = [replicas_at([(p.t, p.running + p.starting + p.draining) for p in r.timeline], times)
-                  for r in (prior_result, post_result)]
-    report = {"real": real, "a_priori": compare(real, prior, real_counts, sim_counts[0]),
-              "a_posteriori": compare(real, post, real_counts, sim_counts[1]),
-              "a_priori_without_busy_slowdown": compare(
-                  real, flat, real_counts,
-                  replicas_at([(p.t, p.running + p.starting + p.draining) for p in flat_result.timeline], times)),
+    post = predicted(run.requests, scaled(profile, correction), config, measured_startup, post_slowdown, overhead,
+                     end_s)
+    report = {"real": real, "a_priori": compare(real, prior, real_counts),
+              "a_posteriori": compare(real, post, real_counts),
+              "a_priori_without_busy_slowdown": compare(real, flat, real_counts),
               "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,
                            "serving_overhead_s": overhead,
                            "pair_calibration_step_correction": run.pair_correction,
@@ -423,20 +434,21 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    _plot(times, real_counts, sim_counts, run, with_overhead(prior_result, overhead), config, out.with_suffix(".png"))
+    _plot(times, real_counts, prior, post, run, config, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def _plot(times, real_counts, sim_counts, run: RealRun, prior: SimResult, config: SLOConfig, path: Path) -> None:
+def _plot(times, real_counts, prior: Prediction, post: Prediction, run: RealRun, config: SLOConfig,
+          path: Path) -> None:
     fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(11, 6), sharex=True)
     top.step(times, real_counts, where="post", label="real")
-    top.step(times, sim_counts[0], where="post", label="simulated (a priori)")
-    top.step(times, sim_counts[1], where="post", ls="--", label="simulated (measured start-up and steps)")
+    top.step(times, prior.replicas, where="post", label="simulated (a priori)")
+    top.step(times, post.replicas, where="post", ls="--", label="simulated (measured start-up and steps)")
     top.set_ylabel("engine replicas")
     top.legend(fontsize=8)
     bottom.scatter([s.arrival_s for s, t in zip(run.requests, run.ttft_s) if t is not None],
                    [t for t in run.ttft_s if t is not None], s=3, label="real")
-    done = [r for r in prior.requests if r.first_token_s is not None]
+    done = [r for r in prior.result.requests if r.first_token_s is not None]
     bottom.scatter([r.spec.arrival_s for r in done], [r.first_token_s - r.spec.arrival_s for r in done], s=3,
                    alpha=0.6, label="simulated (a priori)")
     bottom.axhline(config.ttft_s, color="black", lw=0.8, ls="--")
