@@ -77,10 +77,10 @@ def ascii_shorthands(pattern: str) -> str:
                 out.append(pattern[i:i + 2])
             i += 2
             continue
-        if depth and c == "[" and pattern.startswith(":", i + 1) and pattern.find(":]", i + 2) > 0:
-            end = pattern.find(":]", i + 2) + 2  # a POSIX class inside a class: copied whole
-            out.append(pattern[i:end])
-            i = end
+        close = pattern.find(":]", i + 2) if depth and c == "[" and pattern.startswith(":", i + 1) else -1
+        if close > 0:  # a POSIX class inside a class: copied whole
+            out.append(pattern[i:close + 2])
+            i = close + 2
             continue
         out.append(c)
         i += 1

@@ -139,7 +139,7 @@ def wait_until_idle(serve_app, timeout_s: float, num_replicas: int = 2) -> list:
 
 def wait_until_busy(serve_app, timeout_s: float) -> list:
     """Each engine replica's stats once one runs a request that holds KV blocks (or when time runs out). A replica
-    busy stepping may miss one stats call's timeout and be left out of that call: this asks again."""
+    that misses a stats call's timeout is left out of that call: this asks again."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = serve_app.engine_replica_stats()
