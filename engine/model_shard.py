@@ -51,6 +51,8 @@ class ModelShard:
                                                     config.quantization)
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
+        if backend.name == "cpu":
+            self.model.use_native_layers()
         if group is not None:
             group.connect(check_peers)
         self.graph_runner: CudaGraphRunner | None = None

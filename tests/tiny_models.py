@@ -22,7 +22,7 @@ def tiny_config(family: str, **overrides):
     if family == "qwen2":
         return transformers.Qwen2Config(**common)
     if family == "qwen3":
-        return transformers.Qwen3Config(head_dim=32, **common)
+        return transformers.Qwen3Config(**{"head_dim": 32, **common})
     raise ValueError(family)
 
 

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
-SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp", "llama_cpu.cpp")
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
@@ -114,6 +114,11 @@ def native_linear_available() -> bool:
     """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16
     and AVX512-VNNI (int8 weights)."""
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
+
+
+def native_layers_available() -> bool:
+    """The decoder layers in one native call (engine/kernels/llama_cpu.cpp)."""
+    return native_linear_available() and hasattr(torch.ops.tokenline, "llama_layers")
 
 
 def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:

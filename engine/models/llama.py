@@ -6,6 +6,7 @@ device.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -16,9 +17,12 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelArgs
 from engine.kernels import rotary_embedding_, silu_and_mul
 from engine.loader import CheckpointTensor, as_checkpoint
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import INT8_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding
 from engine.tp_group import TensorParallelGroup
 from engine.tp_layout import ShardLayout
+
+# "0" keeps the decoder layers in Python even where one native call could run them (to compare the two).
+NATIVE_LAYERS_ENV = "TOKENLINE_NATIVE_LAYERS"
 
 
 class Attention(nn.Module):
@@ -109,13 +113,30 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, rows)
         self.rope = rope
+        self.native_layers = False  # use_native_layers(): the layers in one call of engine/kernels/llama_cpu.cpp
+        self._native_params: list[torch.Tensor | None] = []
+        self._native_caches: tuple[list, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
+        if self.native_layers and meta.token_block_tables is not None:
+            return self._native_forward(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _native_forward(self, x: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm in one native call: the same kernels on the same tensors as the modules."""
+        if self._native_caches is None or self._native_caches[0] is not kv_caches:
+            self._native_caches = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        _, k_caches, v_caches = self._native_caches
+        attn = self.layers[0].self_attn
+        return torch.ops.tokenline.llama_layers(
+            x, positions, meta.slot_mapping, meta.token_block_tables, meta.token_positions + 1, self.rope.cos_sin,
+            self._native_params, k_caches, v_caches, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.layers[0].mlp.intermediate_size, self.norm.eps, attn.backend.scale, INT8_MAX_ROWS)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -195,6 +216,36 @@ class LlamaForCausalLM(nn.Module):
             # Per-head q/k norms (Qwen3) act on 3-D views and stay in PyTorch.
             if isinstance(module, (RMSNorm, Attention, MLP)) and not name.endswith(("q_norm", "k_norm")):
                 module.fused = True
+
+    def use_native_layers(self) -> bool:
+        """Run the decoder layers in one native call (engine/kernels/llama_cpu.cpp) on steps whose every new token is
+        a row of the paged attention kernel, where every part of a layer already runs on a native CPU kernel: the
+        norms, RoPE and SiLU fused (use_cpu_kernels), the linears packed natively (prepack_linears), keys packed
+        (CpuAttention), no per-head q/k norm, one device. Call after both; True where it applies."""
+        from engine.kernels import native_layers_available
+
+        layers = list(self.layers)
+        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.native_layers = bool(
+            layers and self.group is None and os.environ.get(NATIVE_LAYERS_ENV, "1") != "0"
+            and getattr(layers[0].self_attn.backend, "uses_token_rows", False) and self.norm.fused
+            and all(layer.self_attn.fused and layer.self_attn.q_norm is None and layer.mlp.fused
+                    and layer.input_layernorm.fused and layer.post_attention_layernorm.fused for layer in layers)
+            and all(lin.packing in ("native", "native-int8") for lin in linears)
+            and native_layers_available())
+        self._native_params = self.native_layer_params() if self.native_layers else []
+        return self.native_layers
+
+    def native_layer_params(self) -> list[torch.Tensor | None]:
+        """Each layer's parameters in the order llama_layers reads them (its two norms' weights, then for qkv, o,
+        gate_up and down: the packed weight, bias, int8 weight, int8 scales), then the final norm's weight."""
+        params: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                params += [lin.packed, lin.bias, lin.packed_int8, lin.scales]
+        return params + [self.norm.weight]
 
     def prepack_linears(self, packing: str) -> int:
         count = 0

@@ -1,0 +1,68 @@
+"""The decoder layers in one native call (engine/kernels/llama_cpu.cpp) against the same layers run from Python:
+the same kernels in the same order, so the same bits, over prefills, chunked prefills beside decodes, and decodes."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import native_layers_available
+from engine.models.llama import NATIVE_LAYERS_ENV
+from tests.tiny_models import write_tiny_model
+
+needs_native = pytest.mark.skipif(not native_layers_available(),
+                                  reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the native layers "
+                                         "are not built")
+
+# head_dim 64: the packed key layout the layers' attention reads.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def engine_for(path, monkeypatch, native: bool, **config) -> LLMEngine:
+    monkeypatch.setenv(NATIVE_LAYERS_ENV, "1" if native else "0")
+    return LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, block_size=16, **config))
+
+
+def tokens_and_logprobs(engine: LLMEngine) -> dict[str, list]:
+    """Three requests, the third arriving while the others decode; a step budget of 48 tokens splits the longer
+    prompts into chunks, so steps mix prefill chunks with context and decodes."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = {"a": list(range(3, 70)), "b": [5, 9, 11, 300, 42], "c": list(range(400, 300, -1))}
+    engine.add_request("a", prompts["a"], params)
+    engine.add_request("b", prompts["b"], params)
+    seen: dict[str, list] = {}
+    for step in range(200):
+        if step == 4:
+            engine.add_request("c", prompts["c"], params)
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).extend(
+                (token, repr(lp)) for token, lp in zip(out.new_token_ids, out.logprobs))
+        if step > 4 and not engine.has_unfinished():
+            break
+    assert sorted(seen) == ["a", "b", "c"] and all(len(v) == 12 for v in seen.values())
+    return seen
+
+
+@needs_native
+@pytest.mark.parametrize("family, quantization", [("llama", None), ("qwen2", None), ("llama", "int8")])
+def test_native_layers_give_the_python_layers_bits(tmp_path, monkeypatch, family, quantization):
+    write_tiny_model(tmp_path, family, seed=5, **SHAPE)  # qwen2: a bias on qkv
+    runs = []
+    for native in (False, True):
+        engine = engine_for(tmp_path, monkeypatch, native, quantization=quantization, max_num_batched_tokens=48)
+        assert engine.runner.model.native_layers is native
+        runs.append(tokens_and_logprobs(engine))
+    assert runs[0] == runs[1]
+
+
+@needs_native
+def test_layers_the_native_call_does_not_cover_stay_in_python(tmp_path, monkeypatch):
+    write_tiny_model(tmp_path / "qwen3", "qwen3", **{**SHAPE, "head_dim": 64})  # per-head q/k norms
+    assert not engine_for(tmp_path / "qwen3", monkeypatch, True).runner.model.native_layers
+    write_tiny_model(tmp_path / "llama", "llama", **SHAPE)
+    monkeypatch.setenv(NATIVE_LAYERS_ENV, "1")
+    fp32 = LLMEngine(EngineConfig(model=str(tmp_path / "llama"), dtype="float32", num_kv_blocks=64))
+    assert not fp32.runner.model.native_layers  # no native linear in fp32
+    torch_backend = LLMEngine(EngineConfig(model=str(tmp_path / "llama"), dtype="bfloat16", num_kv_blocks=64,
+                                           attention_backend="torch"))
+    assert not torch_backend.runner.model.native_layers
+    assert engine_for(tmp_path / "llama", monkeypatch, True).runner.model.native_layers
