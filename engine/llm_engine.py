@@ -102,10 +102,12 @@ class LLMEngine:
                                      kernels.seconds if kernels else 0.0, bool(kernels and kernels.built),
                                      time.perf_counter() - started)
         log.info("engine ready: %s, %s on %s, attention backend %s, CUDA graphs %s, %d torch threads, %d KV blocks "
-                 "of %d tokens, max context %d tokens, linears %s, tensor parallel %d", args.architecture,
+                 "of %d tokens, max context %d tokens, linears %s, layers %s, tensor parallel %d", args.architecture,
                  config.dtype, config.device, self.runner.attention_backend, self.cuda_graphs,
                  torch.get_num_threads(), self.runner.num_blocks, config.block_size, self.max_model_len,
-                 self.runner.linear_packing or "F.linear", config.tensor_parallel_size)
+                 self.runner.linear_packing or "F.linear",
+                 "native" if getattr(self.runner.model, "native_layers", False) else "python",
+                 config.tensor_parallel_size)
 
     def _start_runner(self, config: EngineConfig, args: ModelArgs, weights, ranks: RankLauncher | None
                       ) -> ModelRunner:
