@@ -86,7 +86,7 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
   TORCH_CHECK(v_caches.size() == k_caches.size(), "llama_layers: one K and one V cache per layer");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer + 1,
               "llama_layers: ", kPerLayer, " parameters a layer and the final norm's weight");
-  TORCH_CHECK(x.dim() == 2, "llama_layers takes [tokens, hidden]");
+  TORCH_CHECK(num_layers > 0 && x.dim() == 2, "llama_layers takes [tokens, hidden] and at least one layer");
   const std::vector<OptTensor> p = params.vec();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     for (int64_t i = 0; i < kPerLayer; ++i) {
@@ -119,7 +119,7 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
     k.silu_and_mul.call(act, gate_up);
     h = linear(act, layer.linear(kDown), hidden, int8_max_rows);
   }
-  return num_layers ? rms_norm(h, *p.back(), residual, eps) : rms_norm(x, *p.back(), c10::nullopt, eps);
+  return rms_norm(h, *p.back(), residual, eps);
 }
 
 }  // namespace

@@ -96,6 +96,10 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """qkv, o, gate_up, down: in the order llama_layers reads them."""
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend, dtype: torch.dtype, max_position: int,
@@ -225,8 +229,7 @@ class LlamaForCausalLM(nn.Module):
         from engine.kernels import native_layers_available
 
         layers = list(self.layers)
-        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = [lin for layer in layers for lin in layer.linears()]
         self.native_layers = bool(
             layers and self.group is None and os.environ.get(NATIVE_LAYERS_ENV, "1") != "0"
             and getattr(layers[0].self_attn.backend, "uses_token_rows", False) and self.norm.fused
@@ -243,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         params: list[torch.Tensor | None] = []
         for layer in self.layers:
             params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for lin in layer.linears():
                 params += [lin.packed, lin.bias, lin.packed_int8, lin.scales]
         return params + [self.norm.weight]
 
