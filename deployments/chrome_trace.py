@@ -72,7 +72,10 @@ def _step_span(pid: int, step, since: float) -> dict[str, Any]:
                      "prefill_requests": step.num_prefill_requests, "decode_sequences": step.num_decode_requests,
                      "preempted": step.num_preempted, "kv_usage": round(step.kv_usage, 4),
                      "running": step.num_running, "waiting": step.num_waiting, "finished": step.num_finished,
-                     "prefix_cache_hits": step.prefix_cache_hits, "prefix_cache_queries": step.prefix_cache_queries}}
+                     "prefix_cache_hits": step.prefix_cache_hits, "prefix_cache_queries": step.prefix_cache_queries,
+                     # where the step's time went (ms): the rest of `dur` is output handling
+                     "schedule_ms": round(step.schedule_s * 1e3, 3), "prepare_ms": round(step.prepare_s * 1e3, 3),
+                     "forward_ms": round(step.forward_s * 1e3, 3), "sample_ms": round(step.sample_s * 1e3, 3)}}
 
 
 def _lane(ends: list[float], start: float, end: float) -> int:

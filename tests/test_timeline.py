@@ -94,7 +94,8 @@ def step(number: int, at: float, prefill: int, decodes: int) -> SchedulerStats:
     return SchedulerStats(step=number, time=at, duration_s=0.03, num_running=decodes + (prefill > 0),
                           num_waiting=0, kv_usage=0.25, num_prefill_tokens=prefill, num_decode_tokens=decodes,
                           num_prefill_requests=int(prefill > 0), num_decode_requests=decodes, num_preempted=0,
-                          prefix_cache_queries=prefill, prefix_cache_hits=0, num_finished=0)
+                          prefix_cache_queries=prefill, prefix_cache_hits=0, num_finished=0, schedule_s=0.001,
+                          prepare_s=0.002, forward_s=0.02, sample_s=0.005)
 
 
 def test_chrome_trace_has_a_process_per_replica_and_a_span_per_stage():
@@ -118,6 +119,7 @@ def test_chrome_trace_has_a_process_per_replica_and_a_span_per_stage():
             assert e["dur"] >= 0 and isinstance(e["tid"], int)
     steps = [e for e in events if e.get("cat") == "step"]
     assert len(steps) == 3 and steps[0]["args"]["prefill_tokens"] == 300
+    assert [steps[0]["args"][f"{phase}_ms"] for phase in ("schedule", "prepare", "forward", "sample")] == [1, 2, 20, 5]
     stage_spans = [e for e in events if e.get("cat") == "stage"]
     assert len(stage_spans) == sum(len(v.stages) for v in views)
     requests = [e for e in events if e.get("cat") == "request"]
