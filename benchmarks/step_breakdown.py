@@ -25,10 +25,11 @@ from benchmarks.bench_engine import random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs
 from engine.loader import load_model_source
+from engine.outputs import STEP_PHASES
 
 log = logging.getLogger("step_breakdown")
 
-PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+PHASES = (*STEP_PHASES, "outputs")
 
 
 def linear_kinds(args: ModelArgs) -> dict[tuple[int, int], str]:
@@ -73,9 +74,9 @@ def timed_and_profiled(engine: LLMEngine, run_once, steps: int) -> tuple[dict[st
         run_once()
     history = [s for s in engine.step_history if s.step > first]
     med = {k: statistics.median(getattr(s, f"{k}_s") for s in history) * 1e3
-           for k in ("schedule", "prepare", "forward", "sample")}
+           for k in STEP_PHASES}
     med["step"] = statistics.median(s.duration_s for s in history) * 1e3
-    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in ("schedule", "prepare", "forward", "sample")))
+    med["outputs"] = max(0.0, med["step"] - sum(med[k] for k in STEP_PHASES))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             run_once()

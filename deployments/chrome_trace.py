@@ -12,6 +12,7 @@ from typing import Any
 
 from deployments.records import ReplicaSteps
 from deployments.timeline import TimelineView
+from engine.outputs import STEP_PHASES
 
 STEPS_TID = 0
 FIRST_LANE_TID = 1
@@ -74,8 +75,7 @@ def _step_span(pid: int, step, since: float) -> dict[str, Any]:
                      "running": step.num_running, "waiting": step.num_waiting, "finished": step.num_finished,
                      "prefix_cache_hits": step.prefix_cache_hits, "prefix_cache_queries": step.prefix_cache_queries,
                      # where the step's time went (ms): the rest of `dur` is output handling
-                     "schedule_ms": round(step.schedule_s * 1e3, 3), "prepare_ms": round(step.prepare_s * 1e3, 3),
-                     "forward_ms": round(step.forward_s * 1e3, 3), "sample_ms": round(step.sample_s * 1e3, 3)}}
+                     **{f"{phase}_ms": round(getattr(step, f"{phase}_s") * 1e3, 3) for phase in STEP_PHASES}}}
 
 
 def _lane(ends: list[float], start: float, end: float) -> int:

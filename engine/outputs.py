@@ -57,11 +57,15 @@ class SchedulerStats:
     num_finished: int
     num_context_tokens: int = 0  # tokens of KV the decodes attended to, summed (the step model's context term)
     prefill_attention: float = 0.0  # prefill chunks' (query, key) pairs, in millions
-    # Where the step's time went; what is left of duration_s is turning samples into outputs.
+    # Where the step's time went (STEP_PHASES); what is left of duration_s is turning samples into outputs.
     schedule_s: float = 0.0
     prepare_s: float = 0.0  # the batch's input tensors
     forward_s: float = 0.0  # the model, up to the hidden states
     sample_s: float = 0.0  # logits of the rows that sample, and sampling
+
+
+# The timed phases of a step, each a `<phase>_s` field of SchedulerStats.
+STEP_PHASES = ("schedule", "prepare", "forward", "sample")
 
 
 @dataclass
