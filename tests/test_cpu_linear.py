@@ -27,7 +27,7 @@ def linear(in_features: int, out_features: int, bias: bool, packing: str | None)
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 97])  # whole and partial tiles of 6 rows; 97: past the early fetch
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 391])  # whole and partial tiles of 6 rows; 391: past the early fetch
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (3072, 576), (577, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features, bias):
