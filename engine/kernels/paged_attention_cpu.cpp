@@ -154,15 +154,15 @@ constexpr int64_t kAhead = 4;  // blocks a pass asks for ahead of the one it rea
 // 8-32, 1 and 2 threads: 10-17% faster than one block ahead). Called inside the loops that hold the accumulators
 // in registers: it must inline, since a call would spill them (and did: 40% slower).
 struct KVStream {
-  const char* k;  // this head's part of block 0 of the pool, keys and values
+  const char* k;  // this head's part of block 0 of the pool, keys and values (the same shape in either layout)
   const char* v;
-  int64_t k_stride, v_stride;  // bytes from one block of the pool to the next
+  int64_t stride;  // bytes from one block of the pool to the next
   int64_t bytes;  // one head's part of a block, K or V
   const int64_t* table;
   int64_t blocks;  // the sequence's
   __attribute__((always_inline)) inline void fetch(int64_t i) const {
-    if (i < blocks) prefetch_block(k + table[i] * k_stride, bytes);
-    else if (i < 2 * blocks) prefetch_block(v + table[i - blocks] * v_stride, bytes);
+    if (i < blocks) prefetch_block(k + table[i] * stride, bytes);
+    else if (i < 2 * blocks) prefetch_block(v + table[i - blocks] * stride, bytes);
   }
   inline void start() const {
     for (int64_t i = 0; i < kAhead; ++i) fetch(i);
@@ -336,7 +336,7 @@ void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k
       // Both layouts keep one head's part of a block contiguous, block_size * head_dim values.
       const int64_t head_part = block_size * head_dim, stride = num_kv_heads * head_part * sizeof(scalar_t);
       const KVStream kv{reinterpret_cast<const char*>(k_cache + h * head_part),
-                        reinterpret_cast<const char*>(v_cache + h * head_part), stride, stride,
+                        reinterpret_cast<const char*>(v_cache + h * head_part), stride,
                         head_part * static_cast<int64_t>(sizeof(scalar_t)), seq.table, (seq.len + block_size - 1) / block_size};
       kv.start();
       if constexpr (PackedKeys) {
