@@ -9,6 +9,7 @@ SERVE_CONFIG ?= serve_config.yaml
 HTTP_PORT ?= 8000
 DASHBOARD_PORT ?= 8265
 METRICS_PORT ?= 8080
+PROXY_PORT ?=
 
 .PHONY: install model test test-fast bench-engine serve bench-serve bench-router serve-smoke clean
 
@@ -51,7 +52,7 @@ bench-engine: install model
 # The OpenAI API on 127.0.0.1:$(HTTP_PORT) (1 ingress, 2 engine replicas); Ray dashboard on 127.0.0.1:$(DASHBOARD_PORT).
 serve: install model
 	$(BIN)/python -m deployments.run --http-port $(HTTP_PORT) --dashboard-port $(DASHBOARD_PORT) \
-		--metrics-port $(METRICS_PORT) $(SERVE_CONFIG)
+		--metrics-port $(METRICS_PORT) $(if $(PROXY_PORT),--proxy-port $(PROXY_PORT)) $(SERVE_CONFIG)
 
 # Structured output: xgrammar against llguidance (installs xgrammar), and output tok/s with and without a schema.
 .PHONY: bench-grammar bench-structured

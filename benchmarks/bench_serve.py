@@ -2,7 +2,8 @@
 
 Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs in
 each of `--variants`: by default make serve's layout (two engine replicas of one CPU and one thread each) and one
-engine replica holding both CPUs. Prints a table, the CPU each process spent per output token, and writes JSON.
+engine replica holding both CPUs, each with its ingress replica answering HTTP itself as under `make serve`
+(`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy). Prints a table, the CPU each process spent per output token, and writes JSON.
 
 `--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
 them on, then off, then again, each on the same prompts; the summary compares the mean throughput of each.
@@ -30,6 +31,7 @@ import aiohttp
 from benchmarks.plot import plot_bars
 from loadtests.metrics import percentile
 from deployments.config import AppArgs, EngineArgs
+from deployments.direct_ingress import INGRESS_ENV
 from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -341,8 +343,11 @@ def main() -> None:
                                ingress_max_replicas=1, stream_interval_s=interval, engine=engine_args,
                                timeline=TimelineArgs(enabled=timeline == "on"))
             app_args = AppArgs.model_validate(with_overrides(app_args.model_dump(), overrides))
+            # As `make serve`: the ingress replica answers HTTP itself unless TOKENLINE_INGRESS=proxy.
+            direct = (env.get(INGRESS_ENV, os.environ.get(INGRESS_ENV, "direct")) == "direct"
+                      and app_args.ingress_max_replicas == 1)
             with environment(env):  # Ray's processes inherit the environment of the one that starts them
-                served = local.start(app_args, num_cpus=args.num_cpus)
+                served = local.start(app_args, num_cpus=args.num_cpus, direct_ingress=direct)
             try:
                 report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
                                                         args.output_tokens, warmup))

@@ -31,6 +31,7 @@ from deployments.auth import require_admin_key, require_api_key
 from deployments.chat_template import render_chat
 from deployments.config import AppArgs
 from deployments.context import log_through_serve, replica_id
+from deployments.direct_ingress import direct_ingress_enabled, share_port_with_predecessor
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation, ReplicaLost
@@ -109,6 +110,8 @@ def _channel_counters() -> Callable[[int], None]:
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, args: AppArgs) -> None:
         log_through_serve()  # this replica's own records, and its router's, reach the replica log
+        if direct_ingress_enabled():
+            share_port_with_predecessor()
         self._engine = engine
         self._stream = engine.options(stream=True)  # configured once: each .options() builds a new handle
         self.model_name = args.model_name()

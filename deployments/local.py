@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 import urllib.request
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import AppArgs
+from deployments.direct_ingress import direct_ingress_env
 from deployments.ray_auth import auth_headers
 from deployments.records import ReplicaStats
 
@@ -22,9 +24,9 @@ APP_NAME = "tokenline"
 REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#EngineReplica#"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -36,6 +38,7 @@ class LocalServe:
     args: AppArgs
     session_dir: str  # this Ray session's folder (its logs are under logs/)
     dashboard_url: str | None = None  # the Ray dashboard, when started with one
+    proxy_url: str | None = None  # Serve's proxy: base_url itself unless the ingress replica answers directly
 
     def dashboard_json(self, path: str, timeout_s: float = 30.0) -> Any:
         """GET a Ray dashboard API path (e.g. /api/serve/applications/), with this cluster's auth token if any."""
@@ -99,9 +102,12 @@ class LocalServe:
 
 def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
           metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0,
-          dashboard_port: int | None = None) -> LocalServe:
+          dashboard_port: int | None = None, direct_ingress: bool = False) -> LocalServe:
     """Ray and the app on loopback, Ray's Prometheus export on a port Ray picks. Metrics keep Ray's report period
     unless told (tests shorten it).
+
+    With `direct_ingress` (as `make serve` runs an app of one ingress replica: deployments.direct_ingress), the
+    ingress replica answers on `http_port` itself and Serve's proxy on `.proxy_url`.
 
     With `dashboard_port`, Ray's dashboard (its Serve view and API included) listens on 127.0.0.1 there; it adds
     a dozen idle processes (~1 GB resident), so it is off unless asked for.
@@ -111,24 +117,37 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
 
     from deployments.app import build_app
 
+    if direct_ingress and args.ingress_max_replicas != 1:
+        raise ValueError("direct ingress serves one port from one ingress replica: set ingress_max_replicas=1")
     http_port = http_port or free_port()
+    proxy_port = free_port() if direct_ingress else http_port
     system_config = {"metrics_report_interval_ms": metrics_report_interval_ms} if metrics_report_interval_ms else {}
     dashboard = {"include_dashboard": False}
     if dashboard_port:
         dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port}
     # Private arguments, as ray.init has no public ones for them: `_node_ip_address` keeps every Ray process on
     # loopback (`ray start --node-ip-address` is the CLI's door), `_system_config` shortens the metrics period.
-    context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
-                       configure_logging=False, _system_config=system_config, **dashboard)
+    # Serve's processes read direct ingress's settings from the environment the raylet started here hands on;
+    # this process's own environment is put back once it has.
+    saved = dict(os.environ)
+    if direct_ingress:
+        os.environ.update(direct_ingress_env(http_port))
+    try:
+        context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
+                           configure_logging=False, _system_config=system_config, **dashboard)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     metrics_port = context.address_info["metrics_export_port"]
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         app = build_app(args)
         serve.run(app, name=APP_NAME, route_prefix="/")
         local = LocalServe(base_url=f"http://127.0.0.1:{http_port}", model=args.model_name(),
                            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", args=args,
                            session_dir=context.address_info["session_dir"],
-                           dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard_port else None)
+                           dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard_port else None,
+                           proxy_url=f"http://127.0.0.1:{proxy_port}")
         wait_ready(local.base_url, ready_timeout_s)
     except BaseException:
         serve.shutdown()

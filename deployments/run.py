@@ -3,6 +3,11 @@
     python -m deployments.run serve_config.yaml
     python -m deployments.run deployments.app:build_app num_engine_replicas=1
 
+The HTTP port is the ingress replica's own server (Serve's direct ingress) where the app has one ingress replica,
+as `make serve`'s has: no proxy process between the client and the ingress, which on a small node is a quarter of
+the output at 8 and 32 streams. Serve's proxy still runs, on `--proxy-port`, in front of the same app. With
+`--ingress proxy` (or TOKENLINE_INGRESS=proxy), or an ingress that may scale out, the proxy holds the HTTP port.
+
 Where it finds NVIDIA GPUs it lays out one engine replica per GPU (deployments/node_layout.py). Before Ray starts:
 every port it would take is free, and each application builds (its builder checks the model path), so a mistake
 ends the command at once with what to change. `serve run` alone would start Ray with a random
@@ -15,6 +20,7 @@ import argparse
 import errno
 import importlib
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -29,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from deployments.direct_ingress import INGRESS_ENV, direct_ingress_env, direct_ingress_refusal
+from deployments.local import free_port
 
 log = logging.getLogger("tokenline.run")
 STOP_GRACE_S = 60.0  # after Ctrl-C, how long `serve run` may take to shut Serve down before it is killed
@@ -92,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=None, help="overrides http_options.port of the config")
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus export port")
+    parser.add_argument("--ingress", choices=("direct", "proxy"), default=os.environ.get(INGRESS_ENV, "direct"),
+                        help="who answers on the HTTP port: the ingress replica itself (where the app has one) or "
+                             f"Serve's proxy (default: ${INGRESS_ENV}, else direct)")
+    parser.add_argument("--proxy-port", type=int, default=None,
+                        help="Serve's proxy when the ingress answers directly (default: a free port)")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may hand out (default: all)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs for engine replicas, one replica each (default: those found; 0: the CPU layout)")
@@ -121,9 +135,17 @@ def check_then_serve(args: argparse.Namespace, workdir: Path) -> int:
         log.info("engine layout: %s", layout)
         apps, config_port = applications(target, app_args)
         http_port = args.http_port or config_port
+        proxy_port = None
+        if args.ingress == "direct":
+            if (refusal := direct_ingress_refusal(apps)) is None:
+                proxy_port = args.proxy_port or free_port(args.host)
+            else:
+                log.info("Serve's proxy answers on the HTTP port: %s", refusal)
         ports = [Port(http_port, "the OpenAI API", "--http-port", "HTTP_PORT"),
                  Port(args.dashboard_port, "Ray's dashboard", "--dashboard-port", "DASHBOARD_PORT"),
                  Port(args.metrics_port, "Ray's Prometheus metrics", "--metrics-port", "METRICS_PORT")]
+        if proxy_port is not None:
+            ports.append(Port(proxy_port, "Serve's proxy", "--proxy-port", "PROXY_PORT"))
         if busy := busy_ports(args.host, ports):
             raise SystemExit("\n".join(
                 f"port {p.number} on {args.host} ({p.what}) is already in use: stop what listens there, or choose "
@@ -133,10 +155,11 @@ def check_then_serve(args: argparse.Namespace, workdir: Path) -> int:
             check_builds(import_path, builder_args)
     except (OSError, ValueError, ImportError) as exc:
         raise SystemExit(f"cannot serve {args.target}: {exc}") from None
-    return serve(args, target, app_args, http_port)
+    return serve(args, target, app_args, http_port, proxy_port)
 
 
-def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port: int) -> int:
+def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port: int,
+          proxy_port: int | None) -> int:
     import ray
     from ray import serve as ray_serve
 
@@ -145,11 +168,18 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
     # Private arguments: ray.init has no public ones for these (`ray start --node-ip-address` and
     # `--metrics-export-port` are the CLI's); they keep Ray on loopback and its Prometheus export on a known port.
     # `serve run` below prints the replicas' logs; this driver printing them too would show each line twice.
+    # Serve reads its direct-ingress settings from the environment of each of its processes, which the local Ray
+    # started here hands on to every worker.
+    if proxy_port is not None:
+        os.environ.update(direct_ingress_env(http_port))
     ray.init(num_cpus=args.num_cpus, include_dashboard=True, dashboard_host=args.host,
              dashboard_port=args.dashboard_port, _node_ip_address=args.host, _metrics_export_port=args.metrics_port,
              namespace="serve", log_to_driver=False)
     # Serve keeps the HTTP options it starts with, so the port checked above is the one it binds.
-    ray_serve.start(http_options={"host": args.host, "port": http_port})
+    ray_serve.start(http_options={"host": args.host, "port": proxy_port or http_port})
+    if proxy_port is not None:
+        log.info("the ingress replica answers on %s:%d itself; Serve's proxy in front of the same app on %s:%d",
+                 args.host, http_port, args.host, proxy_port)
     log.info("%s", dashboard_help(f"http://{args.host}:{args.dashboard_port}"))
     log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     serve_cli = Path(sys.executable).with_name("serve")

@@ -46,8 +46,10 @@ def serve_app(smollm2_path: Path, tmp_path_factory):
     # A KV pool smaller than the model's context, so the engine's own capacity check is reachable too.
     args = AppArgs(model=str(smollm2_path), num_engine_replicas=2, engine_num_cpus=1, num_kv_blocks=384,
                    ingress_max_replicas=1, profiler_dir=str(tmp_path_factory.mktemp("profiles")))
-    # The dashboard too, for its Serve API (`.dashboard_json(path)`).
-    app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000, dashboard_port=local.free_port())
+    # The dashboard too, for its Serve API (`.dashboard_json(path)`). The ingress replica answers HTTP itself, as
+    # under `make serve`; Serve's proxy in front of the same app is `.proxy_url`.
+    app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000, dashboard_port=local.free_port(),
+                      direct_ingress=True)
     try:
         yield app
     finally:
