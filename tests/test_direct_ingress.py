@@ -63,8 +63,8 @@ def test_a_replacement_ingress_server_binds_the_port_beside_the_one_still_draini
     assert asyncio.run(run()) == b"hello"
 
 
-def listener_command(port: int) -> str:
-    """The command line of the process listening on 127.0.0.1:port, from /proc (Linux)."""
+def listener(port: int) -> tuple[int, str]:
+    """The pid and command line of the process listening on 127.0.0.1:port, from /proc (Linux)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if not Path(table).exists():
@@ -78,7 +78,7 @@ def listener_command(port: int) -> str:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes} for fd in fds):
-                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                return int(pid), Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:  # gone, or not ours to read
             continue
     raise AssertionError(f"no process found for the listener on port {port}")
@@ -91,10 +91,46 @@ def test_the_ingress_replica_answers_the_api_port_itself_and_the_proxy_answers_b
     port = int(serve_app.base_url.rsplit(":", 1)[1])
     proxy_port = int(serve_app.proxy_url.rsplit(":", 1)[1])
     assert port != proxy_port
-    assert "OpenAIIngress" in listener_command(port)  # Ray names the process after the replica
-    assert "ProxyActor" in listener_command(proxy_port)
+    assert "OpenAIIngress" in listener(port)[1]  # Ray names the process after the replica
+    assert "ProxyActor" in listener(proxy_port)[1]
     for url in (serve_app.base_url, serve_app.proxy_url):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             answer = client.chat.completions.create(model=serve_app.model, max_tokens=4, temperature=0,
                                                     messages=[{"role": "user", "content": "Say hello."}])
             assert answer.usage.completion_tokens == 4 and answer.choices[0].message.content
+
+
+@pytest.mark.slow
+@pytest.mark.serve
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listeners from Linux's /proc")
+def test_a_killed_ingress_replica_is_replaced_on_the_same_port(serve_app):
+    """Serve replaces a dead ingress replica; its replacement takes the API port back (none is blocked)."""
+    import time
+    import urllib.request
+
+    import ray
+
+    from tests.serve_processes import INGRESS, replica_actors, replica_pids
+
+    port = int(serve_app.base_url.rsplit(":", 1)[1])
+    (old_id, old_pid), = replica_pids(INGRESS).items()
+    ray.kill(replica_actors(INGRESS)[old_id], no_restart=True)
+    deadline = time.monotonic() + 180
+    pids: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        pids = replica_pids(INGRESS)
+        if pids and old_id not in pids:
+            try:
+                with urllib.request.urlopen(f"{serve_app.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:  # the replacement is not serving yet
+                pass
+        time.sleep(1)
+    else:
+        raise AssertionError(f"no new ingress replica answered on port {port} within 180 s (replicas: {pids})")
+    (new_pid,) = pids.values()
+    assert new_pid != old_pid and listener(port)[0] == new_pid
+    with openai.OpenAI(base_url=f"{serve_app.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        answer = client.completions.create(model=serve_app.model, prompt="Hello", max_tokens=3, temperature=0)
+        assert answer.usage.completion_tokens == 3
