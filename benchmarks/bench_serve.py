@@ -3,7 +3,8 @@
 Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs in
 each of `--variants`: by default make serve's layout (two engine replicas of one CPU and one thread each) and one
 engine replica holding both CPUs, each with its ingress replica answering HTTP itself as under `make serve`
-(`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy). Prints a table, the CPU each process spent per output token, and writes JSON.
+(`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy). Prints a table, the CPU each process spent per
+output token, and writes JSON.
 
 `--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
 them on, then off, then again, each on the same prompts; the summary compares the mean throughput of each.

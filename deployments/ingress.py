@@ -31,8 +31,8 @@ from deployments.auth import require_admin_key, require_api_key
 from deployments.chat_template import render_chat
 from deployments.config import AppArgs
 from deployments.context import log_through_serve, replica_id
-from deployments.direct_ingress import direct_ingress_enabled, share_port_with_predecessor
 from deployments.detokenizer import IncrementalDetokenizer
+from deployments.direct_ingress import direct_ingress_enabled, share_port_with_predecessor
 from deployments.errors import OpenAIError, install_error_handlers
 from deployments.generation import Generation, ReplicaLost
 from deployments.http_metrics import HttpMetricsMiddleware
