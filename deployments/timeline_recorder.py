@@ -73,11 +73,16 @@ class TimelineRecorder:
         self.store = TimelineStore(args.store_size)
         self.metrics = StageMetrics(model_name) if args.enabled else None
 
+    def keep(self, timeline: RequestTimeline) -> None:
+        """Stored (the same object, so what happens to it later shows), before the response's last byte goes: a
+        client that asks for it as soon as it has read the response finds it."""
+        if timeline.request_id is not None:  # None: refused before it was sent to an engine, nothing to show
+            self.store.put(timeline)
+
     def finish(self, timeline: RequestTimeline) -> None:
-        if timeline.request_id is None:  # refused before it was sent to an engine: nothing to show
+        if timeline.request_id is None:
             return
-        view = timeline.view()
-        self.metrics.observe(view)
+        self.metrics.observe(timeline.view())
         self.store.put(timeline)
 
     def lookup(self, request_id: str) -> TimelineView:
@@ -127,8 +132,14 @@ class TimelineMiddleware:
         token = _current.set(timeline)
 
         async def send_timed(message: dict) -> None:
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last:
+                try:
+                    rec.keep(timeline)
+                except Exception:  # as below: never fail the request
+                    log.exception("keeping the timeline of %s failed", timeline.request_id)
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
+            if last:
                 timeline.last_byte_sent()
 
         try:
