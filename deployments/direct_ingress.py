@@ -1,7 +1,7 @@
 """Serve's direct ingress: the ingress replica's own HTTP server on the app's port, no proxy process in between.
 
 Through Serve's proxy every streamed chunk is one more hop (a Ray streaming item from the ingress replica to the
-proxy, then HTTP); with direct ingress (Ray >= 2.5x, `RAY_SERVE_ENABLE_DIRECT_INGRESS`) the ingress replica serves
+proxy, then HTTP); with direct ingress (Ray 2.60, `RAY_SERVE_ENABLE_DIRECT_INGRESS`) the ingress replica serves
 HTTP itself and the proxy stays up, idle, on a port of its own. Serve hands each ingress replica a port from a
 range; here the range is the one port, so it applies where an app has one ingress replica (`make serve`'s).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+SERVE_SWITCH = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 INGRESS_ENV = "TOKENLINE_INGRESS"  # `direct` (the default) or `proxy`: who answers on the app's HTTP port
 TOKENLINE_APP = ("deployments.app:build_app", "deployments.app.build_app")
 
@@ -44,7 +45,7 @@ def direct_ingress_env(http_port: int) -> dict[str, str]:
     (Serve's range is [min, max)). Nothing balances in front of it here, so a replica that stops drains for its
     in-flight requests only (Serve's default also waits 30 s for a load balancer to notice), and a port given
     back is free at once for the replica that replaces it (the default holds it back for a minute)."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    return {SERVE_SWITCH: "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
@@ -52,7 +53,7 @@ def direct_ingress_env(http_port: int) -> dict[str, str]:
 
 
 def direct_ingress_enabled() -> bool:
-    return os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    return os.environ.get(SERVE_SWITCH) == "1"
 
 
 def share_port_with_predecessor() -> None:

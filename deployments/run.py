@@ -4,9 +4,10 @@
     python -m deployments.run deployments.app:build_app num_engine_replicas=1
 
 The HTTP port is the ingress replica's own server (Serve's direct ingress) where the app has one ingress replica,
-as `make serve`'s has: no proxy process between the client and the ingress, which on a 2-core node cuts the serving's
-CPU per streamed token to a third or less (README: make bench-serve). Serve's proxy still runs, on `--proxy-port`, in front of the same app. With
-`--ingress proxy` (or TOKENLINE_INGRESS=proxy), or an ingress that may scale out, the proxy holds the HTTP port.
+as `make serve`'s has: no proxy process between the client and the ingress, which on a 2-core node cuts the
+serving's CPU per streamed token to a third or less (README: make bench-serve). Serve's proxy still runs, on
+`--proxy-port`, in front of the same app. With `--ingress proxy` (or TOKENLINE_INGRESS=proxy), or an ingress that
+may scale out, the proxy holds the HTTP port.
 
 Where it finds NVIDIA GPUs it lays out one engine replica per GPU (deployments/node_layout.py). Before Ray starts:
 every port it would take is free, and each application builds (its builder checks the model path), so a mistake
