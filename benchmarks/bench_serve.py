@@ -3,7 +3,9 @@
 Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs in
 each of `--variants`: by default make serve's layout (two engine replicas of one CPU and one thread each) and one
 engine replica holding both CPUs, each with its ingress replica answering HTTP itself as under `make serve`
-(`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy). Prints a table, the CPU each process spent per
+(`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy), and Ray's processes that serve no request behind
+the replicas in CPU priority, as `make serve` runs them (`TOKENLINE_BACKGROUND_NICE=off`: Ray's own priorities).
+Prints a table, the CPU each process spent per
 output token, and writes JSON.
 
 `--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
@@ -33,6 +35,7 @@ from benchmarks.plot import plot_bars
 from loadtests.metrics import percentile
 from deployments.config import AppArgs, EngineArgs
 from deployments.direct_ingress import INGRESS_ENV
+from deployments.node_priority import background_nice
 from deployments.timeline_config import TimelineArgs
 from engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -347,8 +350,11 @@ def main() -> None:
             # As `make serve`: the ingress replica answers HTTP itself unless TOKENLINE_INGRESS=proxy.
             direct = (env.get(INGRESS_ENV, os.environ.get(INGRESS_ENV, "direct")) == "direct"
                       and app_args.ingress_max_replicas == 1)
+            # And as `make serve`, Ray's processes that serve no request run behind the replicas unless
+            # TOKENLINE_BACKGROUND_NICE=off (deployments.node_priority).
             with environment(env):  # Ray's processes inherit the environment of the one that starts them
-                served = local.start(app_args, num_cpus=args.num_cpus, direct_ingress=direct)
+                served = local.start(app_args, num_cpus=args.num_cpus, direct_ingress=direct,
+                                     background_nice=background_nice())
             try:
                 report.levels += asyncio.run(bench_http(served.base_url, served.model, label, prompt_sets,
                                                         args.output_tokens, warmup))

@@ -15,6 +15,7 @@ from typing import Any
 
 from deployments.config import AppArgs
 from deployments.direct_ingress import direct_ingress_env
+from deployments.node_priority import lower_background, worker_niceness_env
 from deployments.ray_auth import auth_headers
 from deployments.records import ReplicaStats
 
@@ -102,7 +103,8 @@ class LocalServe:
 
 def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
           metrics_report_interval_ms: int | None = None, ready_timeout_s: float = 300.0,
-          dashboard_port: int | None = None, direct_ingress: bool = False) -> LocalServe:
+          dashboard_port: int | None = None, direct_ingress: bool = False,
+          background_nice: int | None = None) -> LocalServe:
     """Ray and the app on loopback, Ray's Prometheus export on a port Ray picks. Metrics keep Ray's report period
     unless told (tests shorten it).
 
@@ -111,6 +113,9 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
 
     With `dashboard_port`, Ray's dashboard (its Serve view and API included) listens on 127.0.0.1 there; it adds
     a dozen idle processes (~1 GB resident), so it is off unless asked for.
+
+    With `background_nice` (as `make serve`: deployments.node_priority), the replicas run at this process's
+    niceness and Ray's processes that serve no request at that niceness; this process keeps its own.
     """
     import ray
     from ray import serve
@@ -132,6 +137,8 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
     saved = dict(os.environ)
     if direct_ingress:
         os.environ.update(direct_ingress_env(http_port))
+    if background_nice is not None:
+        os.environ.update(worker_niceness_env())
     try:
         context = ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
                            configure_logging=False, _system_config=system_config, **dashboard)
@@ -149,6 +156,7 @@ def start(args: AppArgs, num_cpus: int = 2, http_port: int | None = None,
                            dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard_port else None,
                            proxy_url=f"http://127.0.0.1:{proxy_port}")
         wait_ready(local.base_url, ready_timeout_s)
+        lower_background(proxy_serves=not direct_ingress, nice=background_nice, include_root=False)
     except BaseException:
         serve.shutdown()
         ray.shutdown()

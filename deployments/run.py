@@ -33,12 +33,14 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from deployments.direct_ingress import INGRESS_ENV, direct_ingress_env, direct_ingress_refusal
 from deployments.local import free_port
+from deployments.node_priority import (NICE_ENV, WORKER_NICENESS_ENV, background_nice, lower_background,
+                                       worker_niceness_env)
 
 log = logging.getLogger("tokenline.run")
 STOP_GRACE_S = 60.0  # after Ctrl-C, how long `serve run` may take to shut Serve down before it is killed
@@ -151,16 +153,17 @@ def check_then_serve(args: argparse.Namespace, workdir: Path) -> int:
             raise SystemExit("\n".join(
                 f"port {p.number} on {args.host} ({p.what}) is already in use: stop what listens there, or choose "
                 f"another with {p.flag} (make serve {p.make_var}=...)" for p in busy))
+        nice = background_nice()
         log.info("checking the application before Ray starts (the model path)")
         for import_path, builder_args in apps:
             check_builds(import_path, builder_args)
     except (OSError, ValueError, ImportError) as exc:
         raise SystemExit(f"cannot serve {args.target}: {exc}") from None
-    return serve(args, target, app_args, http_port, proxy_port)
+    return serve(args, target, app_args, http_port, proxy_port, nice)
 
 
 def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port: int,
-          proxy_port: int | None) -> int:
+          proxy_port: int | None, nice: int | None) -> int:
     import ray
     from ray import serve as ray_serve
 
@@ -173,6 +176,8 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
     # started here hands on to every worker.
     if proxy_port is not None:
         os.environ.update(direct_ingress_env(http_port))
+    if nice is not None:  # the replicas at this process's niceness; Ray's bookkeeping lowered below
+        os.environ.update(worker_niceness_env())
     ray.init(num_cpus=args.num_cpus, include_dashboard=True, dashboard_host=args.host,
              dashboard_port=args.dashboard_port, _node_ip_address=args.host, _metrics_export_port=args.metrics_port,
              namespace="serve", log_to_driver=False)
@@ -197,8 +202,20 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
     signal.signal(signal.SIGTERM, stop)
     # Its own session: Ctrl-C reaches it once, from here, and not a second time from the terminal mid-shutdown.
     child = subprocess.Popen(command, start_new_session=True)
+
+    replica_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(os.environ.get(WORKER_NICENESS_ENV, "15")))
+
+    def prioritize() -> None:
+        """Called once Serve's controller and proxy run, and again once the app answers (late subprocesses)."""
+        if lowered := lower_background(proxy_serves=proxy_port is None, nice=nice):
+            log.info("CPU priority: %d of Ray's processes that serve no request (GCS, dashboard, log monitor, "
+                     "agents, Serve's controller%s, this launcher) at nice %d; the replicas at nice %d (%s=off "
+                     "leaves Ray's priorities)", len(lowered), ", its proxy" if proxy_port is not None else "",
+                     nice, replica_nice, NICE_ENV)
+
     base_url = f"http://{args.host}:{http_port}"
-    threading.Thread(target=announce_when_ready, args=(base_url, child), daemon=True).start()
+    prioritize()
+    threading.Thread(target=announce_when_ready, args=(base_url, child, prioritize), daemon=True).start()
     while child.poll() is None:
         if stop_asked and time.monotonic() - stop_asked[0] > STOP_GRACE_S:
             log.warning("serve run did not stop within %.0f s of Ctrl-C; killing it", STOP_GRACE_S)
@@ -208,7 +225,7 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
     return child.returncode
 
 
-def announce_when_ready(base_url: str, child: subprocess.Popen) -> None:
+def announce_when_ready(base_url: str, child: subprocess.Popen, on_ready: Callable[[], None]) -> None:
     """One line once the API answers: the first start (kernel build, model load) takes a while, and says so."""
     started = time.monotonic()
     log.info("the OpenAI API will answer on %s/v1 once the engine replicas are up", base_url)
@@ -218,6 +235,7 @@ def announce_when_ready(base_url: str, child: subprocess.Popen) -> None:
                 if response.status == 200:
                     log.info("ready after %.0f s: the OpenAI API answers on %s/v1 (Ctrl-C stops it)",
                              time.monotonic() - started, base_url)
+                    on_ready()
                     return
         except OSError:  # not up yet
             pass

@@ -81,6 +81,27 @@ TOKEN="$(.venv/bin/ray get-auth-token 2>/dev/null || true)"
 curl -sf -m 10 -o /dev/null -H "Authorization: Bearer $TOKEN" "http://127.0.0.1:$DASHBOARD_PORT/api/serve/applications/" \
   || { echo "serve-smoke: the dashboard's REST API refused Ray's token" >&2; exit 1; }
 echo "serve-smoke: dashboard REST API answered with the token"
+# CPU priority: the replicas run ahead of Ray's bookkeeping (deployments/node_priority.py). Everything `make serve`
+# started shares its session, but `serve run`, which has its own.
+python3 - "$SERVE_PID" <<'PY'
+import os, sys
+session = int(sys.argv[1])
+nice = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        continue
+    if int(fields[3]) == session:  # field 6: session id
+        nice.setdefault(cmd.split("/")[-1], []).append(int(fields[16]))  # field 19: nice
+replicas = [n for cmd, ns in nice.items() if cmd.startswith("ray::ServeReplica") for n in ns]
+bookkeeping = nice.get("gcs_server", []) + [n for cmd, ns in nice.items() if cmd.startswith("ray::ServeController")
+                                            for n in ns]
+assert len(replicas) >= 3 and len(bookkeeping) == 2, nice
+assert max(replicas) < min(bookkeeping), f"replicas at nice {replicas}, GCS and Serve's controller {bookkeeping}"
+print(f"serve-smoke: replicas at nice {sorted(set(replicas))}, GCS and Serve's controller at {sorted(set(bookkeeping))}")
+PY
 echo "serve-smoke: ready after $((SECONDS - START))s; stopping"
 stop_serve
 echo "serve-smoke: passed"
