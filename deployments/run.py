@@ -205,13 +205,16 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
 
     replica_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(os.environ.get(WORKER_NICENESS_ENV, "15")))
 
+    lowered_so_far: list[int] = []
+
     def prioritize() -> None:
         """Called once Serve's controller and proxy run, and again once the app answers (late subprocesses)."""
         if lowered := lower_background(proxy_serves=proxy_port is None, nice=nice):
-            log.info("CPU priority: %d of Ray's processes that serve no request (GCS, dashboard, log monitor, "
+            log.info("CPU priority: %d %sof Ray's processes that serve no request (GCS, dashboard, log monitor, "
                      "agents, Serve's controller%s, this launcher) at nice %d; the replicas at nice %d (%s=off "
-                     "leaves Ray's priorities)", len(lowered), ", its proxy" if proxy_port is not None else "",
-                     nice, replica_nice, NICE_ENV)
+                     "leaves Ray's priorities)", len(lowered), "more " if lowered_so_far else "",
+                     ", its proxy" if proxy_port is not None else "", nice, replica_nice, NICE_ENV)
+            lowered_so_far.extend(p.pid for p in lowered)
 
     base_url = f"http://{args.host}:{http_port}"
     prioritize()
