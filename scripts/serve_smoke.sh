@@ -82,7 +82,7 @@ curl -sf -m 10 -o /dev/null -H "Authorization: Bearer $TOKEN" "http://127.0.0.1:
   || { echo "serve-smoke: the dashboard's REST API refused Ray's token" >&2; exit 1; }
 echo "serve-smoke: dashboard REST API answered with the token"
 # CPU priority: the replicas run ahead of Ray's bookkeeping (deployments/node_priority.py). Everything `make serve`
-# started shares its session, but `serve run`, which has its own.
+# started shares its session except `serve run`, which has its own.
 python3 - "$SERVE_PID" <<'PY'
 import os, sys
 session = int(sys.argv[1])
