@@ -5,8 +5,7 @@ each of `--variants`: by default make serve's layout (two engine replicas of one
 engine replica holding both CPUs, each with its ingress replica answering HTTP itself as under `make serve`
 (`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy), and Ray's processes that serve no request behind
 the replicas in CPU priority, as `make serve` runs them (`TOKENLINE_BACKGROUND_NICE=off`: Ray's own priorities).
-Prints a table, the CPU each process spent per
-output token, and writes JSON.
+Prints a table, the CPU each process spent per output token, and writes JSON.
 
 `--timelines on,off --repeats 2` measures the cost of request timelines and the step trace: the app started with
 them on, then off, then again, each on the same prompts; the summary compares the mean throughput of each.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import logging
 import os
@@ -205,20 +206,18 @@ def serve(args: argparse.Namespace, target: str, app_args: list[str], http_port:
 
     replica_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(os.environ.get(WORKER_NICENESS_ENV, "15")))
 
-    lowered_so_far: list[int] = []
-
-    def prioritize() -> None:
-        """Called once Serve's controller and proxy run, and again once the app answers (late subprocesses)."""
+    def prioritize(again: bool = False) -> None:
+        """Called once Serve's controller and proxy run, and `again` once the app answers (late subprocesses)."""
         if lowered := lower_background(proxy_serves=proxy_port is None, nice=nice):
             log.info("CPU priority: %d %sof Ray's processes that serve no request (GCS, dashboard, log monitor, "
                      "agents, Serve's controller%s, this launcher) at nice %d; the replicas at nice %d (%s=off "
-                     "leaves Ray's priorities)", len(lowered), "more " if lowered_so_far else "",
+                     "leaves Ray's priorities)", len(lowered), "more " if again else "",
                      ", its proxy" if proxy_port is not None else "", nice, replica_nice, NICE_ENV)
-            lowered_so_far.extend(p.pid for p in lowered)
 
     base_url = f"http://{args.host}:{http_port}"
     prioritize()
-    threading.Thread(target=announce_when_ready, args=(base_url, child, prioritize), daemon=True).start()
+    threading.Thread(target=announce_when_ready, args=(base_url, child, functools.partial(prioritize, again=True)),
+                     daemon=True).start()
     while child.poll() is None:
         if stop_asked and time.monotonic() - stop_asked[0] > STOP_GRACE_S:
             log.warning("serve run did not stop within %.0f s of Ctrl-C; killing it", STOP_GRACE_S)
