@@ -25,6 +25,7 @@ from benchmarks.bench_engine import random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs
 from engine.loader import load_model_source
+from engine.models.layers import linears_described
 from engine.outputs import STEP_PHASES
 
 log = logging.getLogger("step_breakdown")
@@ -121,15 +122,19 @@ def main() -> None:
     parser.add_argument("--prefill-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
     parser.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only linears")
+    parser.add_argument("--native-linear-max-rows", type=int, default=None,
+                        help="steps of more rows run oneDNN's linears (default: measured at start-up; 2048: never)")
     parser.add_argument("--out", default="results/step_breakdown.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads,
-                                    quantization=args.quantization),
+                                    quantization=args.quantization,
+                                    native_linear_max_rows=args.native_linear_max_rows),
                        source=load_model_source(args.model))
     results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
     prefill = prefill_breakdown(engine, args.prefill_len, args.prefill_steps, seed=7) if args.prefill_len else None
-    print(f"\nattention backend {engine.runner.attention_backend}, linears {engine.runner.linear_packing}, "
+    linears = linears_described(engine.runner.linear_packing, engine.runner.native_max_rows)
+    print(f"\nattention backend {engine.runner.attention_backend}, linears {linears}, "
           f"{torch.get_num_threads()} threads; milliseconds per decode step (median of {args.steps})")
     for r in results:
         phases = r["phases_ms"]

@@ -122,6 +122,12 @@ class EngineConfig:
     enforce_eager: bool = False
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
+    # CPU, native kernel: steps of at most this many tokens run it; larger ones run oneDNN's prepacked kernel (AMX
+    # tiles where the CPU has them: 6-10x the native kernel's rate at 64+ rows on a Xeon with AMX), holding a second
+    # copy of the linear weights. None: 4 where the CPU has AMX, else the native kernel at every size
+    # (engine.models.layers.default_native_max_rows). max_num_batched_tokens or more: the native kernel alone, and a
+    # request's tokens the same bits whatever its neighbours and the prefix cache.
+    native_linear_max_rows: int | None = None
     # CPU: "int8" also holds the linears' weights as int8 (one scale per output row) for steps of up to 8 rows: half
     # the bytes a decode step at low concurrency reads, at an accuracy cost (README). None: bf16 weights only.
     quantization: str | None = None
@@ -148,6 +154,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two; got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.native_linear_max_rows is not None and self.native_linear_max_rows < 0:
+            raise ValueError(f"native_linear_max_rows must be >= 0 or None; got {self.native_linear_max_rows}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
         if self.tensor_parallel_size < 1 or self.collective_timeout_s <= 0:

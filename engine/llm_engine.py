@@ -24,6 +24,7 @@ from engine.idle_cpus import EngineBoard, IdleCpus
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model_source, open_checkpoint, read_generation_eos
 from engine.model_runner import ModelRunner
+from engine.models.layers import linears_described
 from engine.kernels import kernel_load
 from engine.outputs import EngineOutput, EngineStartup, EngineStats, SchedulerStats
 from engine.request import Request, RequestStatus, TokenLogprobs
@@ -105,7 +106,7 @@ class LLMEngine:
                  "of %d tokens, max context %d tokens, linears %s, layers %s, tensor parallel %d", args.architecture,
                  config.dtype, config.device, self.runner.attention_backend, self.cuda_graphs,
                  torch.get_num_threads(), self.runner.num_blocks, config.block_size, self.max_model_len,
-                 self.runner.linear_packing or "F.linear",
+                 linears_described(self.runner.linear_packing, self.runner.native_max_rows),
                  "native" if getattr(self.runner.model, "native_layers", False) else "python",
                  config.tensor_parallel_size)
 

@@ -14,7 +14,7 @@ from engine.config import EngineConfig, ModelArgs
 from engine.cuda_graphs import CudaGraphRunner
 from engine.host_copies import to_device
 from engine.loader import CheckpointTensor
-from engine.models.layers import select_linear_packing
+from engine.models.layers import default_native_max_rows, onednn_prepack_available, select_linear_packing
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import PROMPT_LOGPROBS_ROWS, StepInputs
@@ -51,6 +51,15 @@ class ModelShard:
                                                     config.quantization)
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
+        self.native_max_rows: int | None = None  # larger steps run oneDNN's linears (AMX where the CPU has it)
+        if self.linear_packing in ("native", "native-int8") and onednn_prepack_available():
+            self.native_max_rows = config.native_linear_max_rows
+            if self.native_max_rows is None:
+                self.native_max_rows = default_native_max_rows()
+            if self.native_max_rows is not None and self.native_max_rows < config.max_num_batched_tokens:
+                self.model.use_onednn_above(self.native_max_rows)
+            else:
+                self.native_max_rows = None
         if backend.name == "cpu":
             self.model.use_native_layers()
         if group is not None:

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from engine.kernels import native_linear_available
 from engine.config import EngineConfig
-from engine.models.layers import Linear, quantize_int8, select_linear_packing
+from engine.models.layers import (AMX_NATIVE_MAX_ROWS, INT8_MAX_ROWS, Linear, cpu_has_amx, default_native_max_rows,
+                                  onednn_prepack_available, quantize_int8, select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
                                   reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the native linear "
@@ -87,6 +88,35 @@ def test_every_packing_gives_the_same_layer_output():
         torch.testing.assert_close(out, reference, atol=3e-2, rtol=2e-2)
 
 
+needs_both = pytest.mark.skipif(not (native_linear_available() and onednn_prepack_available()),
+                                reason="needs the native linear and oneDNN's prepacked one")
+
+
+@needs_both
+@pytest.mark.parametrize("int8", [False, True])
+def test_steps_past_the_native_rows_run_onednn_and_the_rest_stay_native(int8):
+    packing = "native-int8" if int8 else "native"
+    split, native, onednn = (linear(576, 96, True, p) for p in (packing, packing, "onednn"))
+    split.use_onednn_above(4)
+    assert split.native_max_rows == (INT8_MAX_ROWS if int8 else 4)  # int8 weights keep the steps they serve
+    for rows in (1, 4, 5, 8, 9, 64):
+        x = torch.randn(2, rows, 576).to(torch.bfloat16)  # leading dims: rows counted over all of them
+        for dtype in (None, torch.float32):
+            out = split(x, out_dtype=dtype)
+            assert out.shape == (2, rows, 96) and out.dtype == (dtype or torch.bfloat16)
+            expected = (onednn if 2 * rows > split.native_max_rows else native)(x, out_dtype=dtype)
+            assert torch.equal(out, expected), rows
+    split.prepack(packing)  # prepacking again starts from the native kernel alone
+    assert split.packed_onednn is None and split.native_max_rows is None
+
+
+def test_onednn_takes_the_larger_steps_where_the_cpu_has_amx_and_none_elsewhere():
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    assert cpu_has_amx() == ("amx_bf16" in flags)
+    assert default_native_max_rows() == (AMX_NATIVE_MAX_ROWS if "amx_bf16" in flags else None)
+
+
 def dequantized(packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     """int8 weights as the kernel multiplies them: q * scale, in fp32, [N, K]."""
     blocks, pairs = packed.shape[:2]
@@ -100,7 +130,8 @@ def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
     packed, scales = quantize_int8(weight)
     assert packed.dtype == torch.int8 and packed.shape == (4, 32, 16, 2) and scales.shape == (64,)
     error = (dequantized(packed, scales, 50) - weight.float()).abs()
-    assert bool((error <= scales[:50, None] / 2 + 1e-9).all())
+    # half a step, up to fp32 rounding of w / scale and q * scale
+    assert bool((error <= scales[:50, None] / 2 * (1 + 1e-5) + 1e-9).all())
     assert int(packed.abs().max()) == 127  # each row's largest weight uses the whole range
 
 

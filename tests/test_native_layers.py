@@ -18,7 +18,9 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
 
 
 def engine_for(path, monkeypatch, native: bool, **config) -> LLMEngine:
+    """The native kernel for every linear, unless `native_linear_max_rows` says otherwise."""
     monkeypatch.setenv(NATIVE_LAYERS_ENV, "1" if native else "0")
+    config = {"max_num_batched_tokens": 2048, "native_linear_max_rows": 2048, **config}
     return LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_kv_blocks=64, block_size=16, **config))
 
 
@@ -48,7 +50,8 @@ def test_native_layers_give_the_python_layers_bits(tmp_path, monkeypatch, family
     write_tiny_model(tmp_path, family, seed=5, **SHAPE)  # qwen2: a bias on qkv
     runs = []
     for native in (False, True):
-        engine = engine_for(tmp_path, monkeypatch, native, quantization=quantization, max_num_batched_tokens=48)
+        engine = engine_for(tmp_path, monkeypatch, native, quantization=quantization, max_num_batched_tokens=48,
+                            native_linear_max_rows=48)
         assert engine.runner.model.native_layers is native
         runs.append(tokens_and_logprobs(engine))
     assert runs[0] == runs[1]
@@ -66,3 +69,37 @@ def test_layers_the_native_call_does_not_cover_stay_in_python(tmp_path, monkeypa
                                            attention_backend="torch"))
     assert not torch_backend.runner.model.native_layers
     assert engine_for(tmp_path / "llama", monkeypatch, True).runner.model.native_layers
+
+
+@needs_native
+def test_steps_past_the_native_rows_run_the_layers_on_onednn_linears(tmp_path, monkeypatch):
+    """An engine whose linears hand steps of more than 4 tokens to oneDNN: those steps run module by module, the
+    smaller ones in the native call, and the answers are those of the native kernel everywhere (within bf16)."""
+    from engine.models.layers import onednn_prepack_available
+    from engine.models.llama import LlamaForCausalLM
+    if not onednn_prepack_available():
+        pytest.skip("oneDNN's prepacked linear is missing in this torch build")
+    write_tiny_model(tmp_path, "llama", seed=5, **SHAPE)
+    native = tokens_and_logprobs(engine_for(tmp_path, monkeypatch, True, max_num_batched_tokens=48))
+    engine = engine_for(tmp_path, monkeypatch, True, max_num_batched_tokens=48, native_linear_max_rows=4)
+    model = engine.runner.model
+    assert engine.runner.native_max_rows == model.native_max_rows == 4 and model.native_layers
+    assert all(lin.native_max_rows == 4 and lin.packed_onednn is not None for lin in model.modules()
+               if hasattr(lin, "packed_onednn"))
+    rows = {"native": [], "modules": []}
+    native_forward, forward = LlamaForCausalLM._native_forward, LlamaForCausalLM.forward
+
+    def spy_native(self, x, *args):
+        rows["native"].append(x.shape[0])
+        return native_forward(self, x, *args)
+
+    def spy(self, input_ids, *args):
+        rows["modules"].append(input_ids.shape[0])
+        return forward(self, input_ids, *args)
+
+    monkeypatch.setattr(LlamaForCausalLM, "_native_forward", spy_native)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
+    split = tokens_and_logprobs(engine)
+    assert rows["native"] and max(rows["native"]) <= 4
+    assert max(rows["modules"]) > 4  # every step enters forward; the prefills left the native call
+    assert {k: [t for t, _ in v] for k, v in split.items()} == {k: [t for t, _ in v] for k, v in native.items()}

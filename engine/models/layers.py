@@ -44,6 +44,39 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
     return "onednn" if onednn_prepack_available() else None
 
 
+def linears_described(packing: str | None, native_max_rows: int | None) -> str:
+    """How the linears run, for the engine's ready line: `native`, `native up to 4 rows, oneDNN beyond`, ..."""
+    if packing is None:
+        return "F.linear"
+    if native_max_rows is None:
+        return packing
+    return f"{packing} up to {native_max_rows} rows, oneDNN beyond"
+
+
+# Natively packed linears hand steps of more rows than this to oneDNN's prepacked kernel where the CPU has AMX.
+# The native kernel streams weights through AVX512-BF16 dot products: the fastest at decode-sized steps everywhere,
+# and on Zen 4 at every size; on a Xeon with AMX, oneDNN's tiles win from 8 rows and are 6-10x faster at 64-512
+# rows, while at 1-4 rows the native kernel is 1.1-2x faster (`python -m benchmarks.linear_crossover`, README).
+# A fixed rule rather than a measurement at start-up: every replica of a machine type then runs the same kernels
+# on the same steps, so their answers agree.
+AMX_NATIVE_MAX_ROWS = 4
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles for bf16 (Sapphire Rapids and later Xeons), as Linux reports them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def default_native_max_rows() -> int | None:
+    """EngineConfig.native_linear_max_rows when unset: AMX_NATIVE_MAX_ROWS where the CPU has AMX, else None (the
+    native kernel at every size)."""
+    return AMX_NATIVE_MAX_ROWS if cpu_has_amx() else None
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8, symmetric, one scale per output row, packed as the native kernel reads it
     ([N/16, K/2, 16, 2], rows past N zero). Returns (packed int8, fp32 scales of N rounded up to 16)."""
@@ -72,6 +105,10 @@ class Linear(nn.Module):
         self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to INT8_MAX_ROWS rows
         self.scales: torch.Tensor | None = None  # the int8 weights': one per output row
         self.packing: str | None = None
+        # Native packing: steps of more rows than this run oneDNN's prepacked kernel on `packed_onednn`, a second
+        # copy of the weight in its layout (use_onednn_above); None: the native kernel at every size.
+        self.native_max_rows: int | None = None
+        self.packed_onednn: torch.Tensor | None = None
 
     def prepack(self, packing: str = "onednn") -> None:
         if packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
@@ -84,10 +121,22 @@ class Linear(nn.Module):
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
         self.packing = packing
+        self.native_max_rows = self.packed_onednn = None
+
+    def use_onednn_above(self, rows: int) -> None:
+        """Natively packed: steps of more than `rows` rows run oneDNN's prepacked kernel (AMX where the CPU has it)."""
+        if self.packing in ("native", "native-int8"):
+            self.packed_onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+            # quantization int8: steps its int8 weights serve stay on them
+            self.native_max_rows = max(rows, INT8_MAX_ROWS) if self.packed_int8 is not None else rows
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`out_dtype` (the LM head asks for fp32 logits) saves a cast where the kernel can write it directly."""
-        if self.packing in ("native", "native-int8"):
+        native = self.packing in ("native", "native-int8")
+        if native and self.packed_onednn is not None and x.numel() // x.shape[-1] > self.native_max_rows:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_onednn, self.bias, "none", [], "")
+            return out if out_dtype is None else out.to(out_dtype)
+        if native:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1 or rows.stride(0) % 2:
                 rows = rows.contiguous()

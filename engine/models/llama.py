@@ -118,13 +118,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, rows)
         self.rope = rope
         self.native_layers = False  # use_native_layers(): the layers in one call of engine/kernels/llama_cpu.cpp
+        self.native_max_rows: int | None = None  # use_onednn_above(): larger steps run the modules, on oneDNN's linears
         self._native_params: list[torch.Tensor | None] = []
         self._native_caches: tuple[list, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        if self.native_layers and meta.token_block_tables is not None:
+        if self.native_layers and meta.token_block_tables is not None and (
+                self.native_max_rows is None or x.shape[0] <= self.native_max_rows):
             return self._native_forward(x, positions, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta)
@@ -249,6 +251,14 @@ class LlamaForCausalLM(nn.Module):
             for lin in layer.linears():
                 params += [lin.packed, lin.bias, lin.packed_int8, lin.scales]
         return params + [self.norm.weight]
+
+    def use_onednn_above(self, rows: int) -> None:
+        """Steps of more than `rows` tokens run the layers module by module, every linear on oneDNN's prepacked
+        kernel (a second copy of each weight, in its layout); smaller ones stay on the native kernels."""
+        self.native_max_rows = rows
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_onednn_above(rows)
 
     def prepack_linears(self, packing: str) -> int:
         count = 0
