@@ -8,7 +8,10 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Asked so that the default model's greedy answer is clear-cut: to "What is the capital of France?" its first token
+# is "The" or "L'" by 0.03-0.1 in log-probability, which bf16 rounding in a different kernel (oneDNN's linears for
+# prefill steps where the CPU has AMX, a prompt read from the prefix cache) flips; here every token leads by >= 1.
+QUESTION = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")
