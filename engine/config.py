@@ -124,7 +124,7 @@ class EngineConfig:
     prepack_weights: bool = True
     # CPU, native kernel: steps of at most this many tokens run it; larger ones run oneDNN's prepacked kernel (AMX
     # tiles where the CPU has them: 6-10x the native kernel's rate at 64+ rows on a Xeon with AMX), holding a second
-    # copy of the linear weights. None: 4 where the CPU has AMX, else the native kernel at every size
+    # copy of the linear weights. None: 6 where the CPU has AMX, else the native kernel at every size
     # (engine.models.layers.default_native_max_rows). max_num_batched_tokens or more: the native kernel alone, and a
     # request's tokens the same bits whatever its neighbours and the prefix cache.
     native_linear_max_rows: int | None = None

@@ -45,7 +45,7 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
 
 
 def linears_described(packing: str | None, native_max_rows: int | None) -> str:
-    """How the linears run, for the engine's ready line: `native`, `native up to 4 rows, oneDNN beyond`, ..."""
+    """How the linears run, for the engine's ready line: `native`, `native up to 6 rows, oneDNN beyond`, ..."""
     if packing is None:
         return "F.linear"
     if native_max_rows is None:
@@ -55,11 +55,12 @@ def linears_described(packing: str | None, native_max_rows: int | None) -> str:
 
 # Natively packed linears hand steps of more rows than this to oneDNN's prepacked kernel where the CPU has AMX.
 # The native kernel streams weights through AVX512-BF16 dot products: the fastest at decode-sized steps everywhere,
-# and on Zen 4 at every size; on a Xeon with AMX, oneDNN's tiles win from 8 rows and are 6-10x faster at 64-512
-# rows, while at 1-4 rows the native kernel is 1.1-2x faster (`python -m benchmarks.linear_crossover`, README).
+# and on Zen 4 at every size; on a Xeon with AMX, oneDNN's tiles are 6-10x faster at 64-512 rows, while up to 6
+# rows (one of the native kernel's row tiles) the native kernel's decode steps are the faster: 18.5 against 22.7 ms
+# at 6 rows on 2 threads, 26.8 against 25.4 at 8 (`make step-breakdown`, README).
 # A fixed rule rather than a measurement at start-up: every replica of a machine type then runs the same kernels
 # on the same steps, so their answers agree.
-AMX_NATIVE_MAX_ROWS = 4
+AMX_NATIVE_MAX_ROWS = 6
 
 
 def cpu_has_amx() -> bool:
