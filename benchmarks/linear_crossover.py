@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import native_linear_available
-from engine.models.layers import cpu_has_amx, onednn_prepack_available
+from engine.kernels import cpu_has_amx, native_linear_available
+from engine.models.layers import onednn_prepack_available
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of SmolLM2-135M's linears
 LAYERS = 30

@@ -112,3 +112,58 @@ def test_a_long_prefill_as_token_rows_is_split_between_threads_by_work_with_the_
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outs[0].float(), dense_reference(q.float(), k.float(), v.float()), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
+                                                                   "keys stay in the plain layout")
+def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_same_attention():
+    """Where the CPU has AMX, a prompt chunk of SDPA_MIN_TOKENS or more with no context runs in SDPA; the rows
+    around it (decodes, a chunk with context, a short chunk) stay on the native kernel."""
+    from engine import kernels
+    from engine.attention import SDPA_MIN_TOKENS
+
+    torch.manual_seed(0)
+    D, BS, dtype = 64, 16, torch.bfloat16
+    backend = CpuAttention(9, 3, D, BS, dtype)
+    k_cache, v_cache = torch.zeros(backend.key_cache_shape(64), dtype=dtype), torch.zeros(64, 3, BS, D, dtype=dtype)
+    # a decode at context 20, a long fresh prompt, a chunk of 5 after 30 cached tokens, a short fresh prompt
+    lengths, new, cached = [21, SDPA_MIN_TOKENS + 9, 35, 7], [1, SDPA_MIN_TOKENS + 9, 5, 7], [20, 0, 30, 0]
+    seqs = [tuple(torch.randn(n, h, D, dtype=dtype) for h in (9, 3, 3)) for n in lengths]
+    tables, free = [], torch.randperm(64).tolist()
+    for n in lengths:
+        tables.append(free[:-(-n // BS)])
+        free = free[-(-n // BS):]
+    width = max(map(len, tables))
+
+    def slots(table, positions):
+        return torch.tensor([table[p // BS] * BS + p % BS for p in positions])
+
+    for (_, k, v), table, c in zip(seqs, tables, cached):  # the cached context, written before the step
+        if c:
+            kernels.write_kv_cache(k[:c], v[:c], k_cache, v_cache, slots(table, range(c)))
+    rows = [range(c, c + n) for c, n in zip(cached, new)]
+    q = torch.cat([s[0][r.start:r.stop] for s, r in zip(seqs, rows)])
+    k = torch.cat([s[1][r.start:r.stop] for s, r in zip(seqs, rows)])
+    v = torch.cat([s[2][r.start:r.stop] for s, r in zip(seqs, rows)])
+    starts = [0, 1, 1 + new[1], 1 + new[1] + new[2]]
+
+    def meta():
+        m = AttentionMetadata(torch.cat([slots(t, r) for t, r in zip(tables, rows)]), 1,
+                              prefills=[PrefillChunk(starts[i], new[i], cached[i],
+                                                     torch.tensor(tables[i]) if cached[i] else None)
+                                        for i in (1, 2, 3)])
+        m.token_block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i]))
+                                             for i, r in enumerate(rows) for _ in r])
+        m.token_positions = torch.tensor([p for r in rows for p in r])
+        return m
+
+    backend.sdpa_prefill = False
+    rows_only = backend.forward(q, k, v, k_cache, v_cache, meta())
+    backend.sdpa_prefill = True
+    split = backend.forward(q, k, v, k_cache, v_cache, meta())
+    expected = torch.cat([dense_reference(*[t.float() for t in s])[r.start:r.stop] for s, r in zip(seqs, rows)])
+    torch.testing.assert_close(split.float(), expected, atol=3e-2, rtol=3e-2)
+    long = slice(starts[1], starts[2])
+    assert not torch.equal(split[long], rows_only[long])  # SDPA's rounding, not the kernel's
+    for other in (slice(0, 1), slice(starts[2], None)):  # the rows around it: the native kernel's bits
+        assert torch.equal(split[other], rows_only[other])

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import native_linear_available
+from engine.kernels import cpu_has_amx, native_linear_available
 from engine.config import EngineConfig
-from engine.models.layers import (AMX_NATIVE_MAX_ROWS, INT8_MAX_ROWS, Linear, cpu_has_amx, default_native_max_rows,
+from engine.models.layers import (AMX_NATIVE_MAX_ROWS, INT8_MAX_ROWS, Linear, default_native_max_rows,
                                   onednn_prepack_available, quantize_int8, select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),

@@ -110,6 +110,16 @@ def _remove_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def cpu_has_amx() -> bool:
+    """AMX tiles for bf16 (Sapphire Rapids and later Xeons), as Linux reports them: oneDNN's matmuls and torch's
+    flash attention use them, and outrun the native kernels past a few rows (engine.models.layers, engine.attention)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def native_linear_available() -> bool:
     """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16
     and AVX512-VNNI (int8 weights)."""

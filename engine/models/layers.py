@@ -63,18 +63,10 @@ def linears_described(packing: str | None, native_max_rows: int | None) -> str:
 AMX_NATIVE_MAX_ROWS = 6
 
 
-def cpu_has_amx() -> bool:
-    """AMX tiles for bf16 (Sapphire Rapids and later Xeons), as Linux reports them."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def default_native_max_rows() -> int | None:
     """EngineConfig.native_linear_max_rows when unset: AMX_NATIVE_MAX_ROWS where the CPU has AMX, else None (the
     native kernel at every size)."""
+    from engine.kernels import cpu_has_amx
     return AMX_NATIVE_MAX_ROWS if cpu_has_amx() else None
 
 
