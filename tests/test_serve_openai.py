@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import openai
 import pytest
@@ -12,6 +13,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.serve]
 # is "The" or "L'" by 0.03-0.1 in log-probability, which bf16 rounding in a different kernel (oneDNN's linears for
 # prefill steps where the CPU has AMX, a prompt read from the prefix cache) flips; here every token leads by >= 1.
 QUESTION = [{"role": "user", "content": "Name the capital of France."}]
+_salts = itertools.count()
+
+
+def own_cache() -> dict:
+    """A prefix-cache salt of its own, for a request compared token for token with another: both then compute the
+    same steps. Where the CPU has AMX, a prompt read from the cache leaves a short step on the native linear kernel
+    instead of oneDNN's, and a bf16 greedy answer can differ at a near-tie (README: native_linear_max_rows)."""
+    return {"cache_salt": f"compared-{next(_salts)}"}
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +61,20 @@ def test_completion_accepts_token_id_prompts(client, serve_app, smollm2_path):
 
     prompt = "Hello, my name is"
     ids = load_tokenizer(smollm2_path).encode(prompt)
-    by_text = client.completions.create(model=serve_app.model, prompt=prompt, max_tokens=8, temperature=0)
-    by_ids = client.completions.create(model=serve_app.model, prompt=ids, max_tokens=8, temperature=0)
+    by_text = client.completions.create(model=serve_app.model, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body=own_cache())
+    by_ids = client.completions.create(model=serve_app.model, prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body=own_cache())
     assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
 def test_streamed_chat_equals_non_streamed_for_greedy(client, serve_app):
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
-    whole = client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=40, temperature=0,
+                                           extra_body=own_cache())
     chunks = list(client.chat.completions.create(model=serve_app.model, messages=messages, max_tokens=40,
-                                                 temperature=0, stream=True))
+                                                 temperature=0, stream=True, extra_body=own_cache()))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -73,8 +85,9 @@ def test_async_streamed_completion_equals_non_streamed(serve_app):
     async def run() -> tuple[str, str, object]:
         async with async_client(serve_app) as c:
             kwargs = dict(model=serve_app.model, prompt="Once upon a time", max_tokens=32, temperature=0)
-            whole = await c.completions.create(**kwargs)
-            stream = await c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+            whole = await c.completions.create(**kwargs, extra_body=own_cache())
+            stream = await c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                                extra_body=own_cache())
             parts, usage = [], None
             async for chunk in stream:
                 if chunk.usage is not None:
