@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.kernel_ab import LAYERS, LINEAR_SHAPES
 from engine.kernels import cpu_has_amx, native_linear_available
 from engine.models.layers import onednn_prepack_available
 
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of SmolLM2-135M's linears
-LAYERS = 30
 LM_HEAD = (49152, 576)
 
 
@@ -39,7 +38,7 @@ def best_of(fn, rounds: int = 3, calls: int = 3) -> float:
 def step_ms(rows: int) -> tuple[float, float]:
     """(native, oneDNN) milliseconds for one step's linears at `rows` rows."""
     native = onednn = 0.0
-    for (n, k), count in [(shape, LAYERS) for shape in SHAPES] + [(LM_HEAD, 1)]:
+    for (n, k), count in [(shape, LAYERS) for shape in LINEAR_SHAPES] + [(LM_HEAD, 1)]:
         weight = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         packed = torch.ops.tokenline.pack_linear_weight(weight.contiguous())

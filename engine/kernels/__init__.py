@@ -4,6 +4,7 @@ Everything here is optional: if the compiler or build fails, callers fall back t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -110,6 +111,7 @@ def _remove_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+@functools.cache
 def cpu_has_amx() -> bool:
     """AMX tiles for bf16 (Sapphire Rapids and later Xeons), as Linux reports them: oneDNN's matmuls and torch's
     flash attention use them, and outrun the native kernels past a few rows (engine.models.layers, engine.attention)."""
