@@ -375,8 +375,12 @@ class LLMEngine:
         after, finish_step = queued.place(jobs)
         alone, alone_steps = Backlog.of([], [], self.config.max_num_seqs, self.runner.num_blocks *
                                         self.config.block_size).place(jobs)
-        alone_step_s = self.step_costs.step_seconds(alone.batch, alone.prefill_tokens / max(alone_steps, 1.0))
-        return queued.start_step * self._step_s(after), finish_step * self._step_s(after), alone_steps * alone_step_s
+        alone_s = alone_steps * self.step_costs.step_seconds(alone.batch, alone.prefill_tokens / max(alone_steps, 1.0))
+        if queued.num_requests == 0:
+            # Idle, nothing accepted: `jobs` run alone. The prompt tokens per step of a load that has passed do not
+            # price the steps of a replica that holds nothing now.
+            return 0.0, alone_s, alone_s
+        return queued.start_step * self._step_s(after), finish_step * self._step_s(after), alone_s
 
     def _step_s(self, backlog: Backlog) -> float:
         """A coming step's seconds: the batch the queues fill, and the prompt tokens this engine has been

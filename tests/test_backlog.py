@@ -81,3 +81,18 @@ def test_engine_predicts_nothing_until_it_has_history_then_waits_that_grow_with_
     while engine.has_unfinished():
         engine.step()
     assert engine.predicted_wait_s() == 0.0
+
+
+def test_an_idle_engine_prices_a_request_as_alone_whatever_load_came_before(tmp_path):
+    write_tiny_model(tmp_path, "llama")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                                    max_num_batched_tokens=64))
+    # A prefill-heavy load: long prompts, short answers, so the engine's prompt tokens per step stay high.
+    engine.generate([[3 + i % 50] * 60 for i in range(40)], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert not engine.has_unfinished() and engine._prefill_per_step > 10
+    job = engine.output_lengths.job_of_new(8, SamplingParams(max_tokens=30, ignore_eos=True))
+    finish, alone = engine.predicted_finish_s([job])
+    assert finish == alone > 0
+    engine.add_request("busy", [5] * 8, SamplingParams(max_tokens=30, ignore_eos=True))
+    finish, alone = engine.predicted_finish_s([job])
+    assert finish > alone  # with a request running, the recent load's mix prices the coming steps again
