@@ -135,6 +135,9 @@ class EngineConfig:
     # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);
     # None: num_threads for every step.
     prefill_threads: int | None = None
+    # CPU: torch threads for every other step (decodes, short prompts) while this process's other CPUs sit idle
+    # (engine.idle_cpus); None: num_threads for them.
+    decode_threads: int | None = None
     # Devices (ranks) one engine spans: Megatron-style tensor parallelism, rank 0 in this process.
     tensor_parallel_size: int = 1
     # Tensor parallelism: how long a rank waits on the others in a collective before the engine gives up.

@@ -39,10 +39,10 @@ from engine.tp_ranks import LocalRanks, RankLauncher, RankSpec, rank_threads
 
 log = logging.getLogger(__name__)
 
-# A step with at least this many prompt tokens may borrow idle CPUs (EngineConfig.prefill_threads); each thread
-# beyond num_threads needs this much of a CPU that other processes leave idle (engine.idle_cpus). At half a CPU,
-# a borrowed thread's even share of the step's work ends no later than the whole would on one thread, even if all
-# the other processes' load fell on its CPU.
+# A step with at least this many prompt tokens may borrow idle CPUs up to EngineConfig.prefill_threads, any other
+# step up to EngineConfig.decode_threads; each thread beyond num_threads needs this much of a CPU that other
+# processes leave idle (engine.idle_cpus). At half a CPU, a borrowed thread's even share of the step's work ends no
+# later than the whole would on one thread, even if all the other processes' load fell on its CPU.
 PREFILL_BORROW_MIN_TOKENS = 64
 BORROW_IDLE_SHARE = 0.5
 PREFILL_DECAY = 0.98  # weight of the average prompt tokens per step on its past: about 50 steps
@@ -76,7 +76,7 @@ class LLMEngine:
         loaded = time.perf_counter()
         self.ranks: RankLauncher | None = None
         self.runner = self._start_runner(config, args, weights, ranks)
-        self._board = (EngineBoard() if config.prefill_threads and config.device == "cpu"
+        self._board = (EngineBoard() if (config.prefill_threads or config.decode_threads) and config.device == "cpu"
                        and config.tensor_parallel_size == 1 else None)
         self._idle_cpus = None
         if self._board is not None:
@@ -243,19 +243,20 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _threads_for(self, prefill_tokens: int) -> Iterator[None]:
-        """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads` while other processes
-        leave this process's CPUs idle (engine.idle_cpus); every other step on `num_threads`. The board hears the
-        threads each step runs on."""
-        borrow = self._idle_cpus is not None and prefill_tokens >= PREFILL_BORROW_MIN_TOKENS
+        """A step with PREFILL_BORROW_MIN_TOKENS or more of prefill runs on `prefill_threads`, any other on
+        `decode_threads`, while other processes leave this process's CPUs idle (engine.idle_cpus); otherwise, or
+        where that is unset, on `num_threads`. The board hears the threads each step runs on."""
+        wanted = self.config.prefill_threads if prefill_tokens >= PREFILL_BORROW_MIN_TOKENS \
+            else self.config.decode_threads
         threads = torch.get_num_threads()
-        extra = self.config.prefill_threads - threads if borrow else 0
+        extra = wanted - threads if wanted and self._idle_cpus is not None else 0
         if extra <= 0 or self._idle_cpus.idle() - threads < extra * BORROW_IDLE_SHARE:
             if self._board is not None:
                 self._board.publish(threads)
             yield
             return
-        self._board.publish(self.config.prefill_threads)
-        torch.set_num_threads(self.config.prefill_threads)
+        self._board.publish(wanted)
+        torch.set_num_threads(wanted)
         try:
             yield
         finally:

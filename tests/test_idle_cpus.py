@@ -139,3 +139,33 @@ def test_long_prefill_runs_on_prefill_threads_only_while_the_other_cpus_are_idle
         assert torch.get_num_threads() == 1
     assert LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=16, num_threads=1,
                                   prepack_weights=False), source=source)._idle_cpus is None
+
+
+def test_decode_steps_run_on_decode_threads_only_while_the_other_cpus_are_idle_with_the_same_tokens(tiny_source,
+                                                                                                   monkeypatch):
+    path, source = tiny_source
+    def engine_with(**threads) -> tuple[LLMEngine, list[int]]:
+        engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=128, num_threads=1,
+                                        prepack_weights=False, enable_prefix_caching=False, **threads), source=source)
+        seen: list[int] = []
+        execute = engine.runner.execute
+        monkeypatch.setattr(engine.runner, "execute", lambda scheduled: (seen.append(torch.get_num_threads()),
+                                                                         execute(scheduled))[1])
+        return engine, seen
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 103)), list(range(7, 19))]
+    alone, _ = engine_with()
+    expected = alone.generate(prompts, params)
+    engine, seen = engine_with(decode_threads=2)
+    # The long prompt's prefill and the short one's share the first step: a prefill step, not borrowed
+    # without prefill_threads.
+    for idle, threads in ((2.0, [1, 2, 2, 2]), (1.45, [1, 1, 1, 1]), (1.55, [1, 2, 2, 2])):
+        engine._idle_cpus = FixedIdle(idle)
+        seen.clear()
+        assert engine.generate(prompts, params) == expected
+        assert seen == threads, idle
+        assert torch.get_num_threads() == 1
+    both, seen = engine_with(decode_threads=2, prefill_threads=2)
+    both._idle_cpus = FixedIdle(2.0)
+    assert both.generate(prompts, params) == expected and seen == [2, 2, 2, 2]
