@@ -3,6 +3,8 @@ the same kernels in the same order, so the same bits, over prefills, chunked pre
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import native_layers_available
@@ -103,3 +105,44 @@ def test_steps_past_the_native_rows_run_the_layers_on_onednn_linears(tmp_path, m
     assert rows["native"] and max(rows["native"]) <= 4
     assert max(rows["modules"]) > 4  # every step enters forward; the prefills left the native call
     assert {k: [t for t, _ in v] for k, v in split.items()} == {k: [t for t, _ in v] for k, v in native.items()}
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors are (sign-magnitude bits as an ordered integer line); values
+    both below 1e-30 in magnitude (a denormal against 0) count as equal."""
+    def line(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    tiny = (a.float().abs() < 1e-30) & (b.float().abs() < 1e-30)
+    return torch.where(tiny, 0, (line(a) - line(b)).abs())
+
+
+@needs_native
+@pytest.mark.parametrize("rows, width", [(1, 1536), (5, 200), (37, 576)])
+def test_fused_elementwise_kernels_against_torch(rows, width):
+    """SiLU-and-mul and RMSNorm (with the residual add) in bf16, 16 lanes at a time with a masked tail: torch's
+    arithmetic in fp32, rounded where the model rounds; the kernel's exp may differ from libm's by an ulp of fp32,
+    so a bf16 result may sit one step away, rarely. fp32 keeps the scalar loop."""
+    from engine import kernels
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * width, generator=g) * 4).bfloat16()
+    gate_up[0, :3] = torch.tensor([-100.0, 90.0, 0.0])  # exp's ends: silu 0, x, 0
+    got = kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.float().split(width, dim=-1)
+    want = (F.silu(gate).bfloat16().float() * up).bfloat16()
+    apart = ulps_apart(got, want)
+    assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+    assert got[0, 1] == want[0, 1] and got[0, 2] == 0 and abs(got[0, 0].item()) < 1e-30
+    fp32 = gate_up.float()
+    torch.testing.assert_close(kernels.silu_and_mul(fp32), F.silu(fp32[:, :width]) * fp32[:, width:])
+
+    x = torch.randn(rows, width, generator=g).bfloat16()
+    residual = torch.randn(rows, width, generator=g).bfloat16()
+    weight = (torch.rand(width, generator=g) + 0.5).bfloat16()
+    summed = (residual.float() + x.float()).bfloat16()
+    normed = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = (weight.float() * normed.bfloat16().float()).bfloat16()
+    got = kernels.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(residual, summed)  # the residual add, in place, rounded once
+    apart = ulps_apart(got, want)
+    assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
