@@ -55,6 +55,8 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
                                      "bf16 weights only"),
     "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
                                               "process's other CPUs sit idle (None: num_threads always)"),
+    "max_tokens_with_decodes": dict(ge=1, description="token budget of a step that carries decodes (None: "
+                                                      "max_num_batched_tokens)"),
     "decode_threads": dict(ge=1, description="CPU: torch threads for every other step (decodes) while the "
                                              "process's other CPUs sit idle (None: num_threads always)"),
     "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "

@@ -109,6 +109,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     max_num_batched_tokens: int = 2048
+    # The token budget of a step that carries decodes (None: max_num_batched_tokens): prompt chunks beside running
+    # streams stay small, so no stream waits a long step for its next token; a prompt arriving at an idle engine
+    # still takes the whole budget.
+    max_tokens_with_decodes: int | None = None
     max_num_seqs: int = 64
     # Requests accepted but not yet running; past it AsyncEngine refuses new ones (None: no bound).
     max_num_waiting: int | None = None
@@ -157,6 +161,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two; got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_tokens_with_decodes is not None and self.max_tokens_with_decodes < 1:
+            raise ValueError(f"max_tokens_with_decodes must be >= 1 or None; got {self.max_tokens_with_decodes}")
         if self.native_linear_max_rows is not None and self.native_linear_max_rows < 0:
             raise ValueError(f"native_linear_max_rows must be >= 0 or None; got {self.native_linear_max_rows}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:

@@ -86,7 +86,8 @@ class LLMEngine:
         del weights
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                                   FairShare(config.fair_share_prompt_weight, config.fair_share_output_weight))
+                                   FairShare(config.fair_share_prompt_weight, config.fair_share_output_weight),
+                                   config.max_tokens_with_decodes)
         self.requests: dict[str, Request] = {}
         self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.runner.num_blocks, config.block_size)
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)

@@ -61,9 +61,11 @@ SOLO_STEP_PERIOD = 4
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, fair: FairShare | None = None) -> None:
+                 max_model_len: int, fair: FairShare | None = None,
+                 max_tokens_with_decodes: int | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_tokens_with_decodes = max_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.fair = fair or FairShare()
@@ -100,7 +102,7 @@ class Scheduler:
                 self._finish_schedule(out, sharing)
                 return out
 
-        budget = self.max_num_batched_tokens
+        budget = self._budget()
         i = 0
         short_of_blocks = False
         while i < len(self.running) and budget > 0:
@@ -125,6 +127,15 @@ class Scheduler:
             self._admit_waiting(out, budget, now, busy_tenants, protecting=False)
         self._finish_schedule(out, sharing)
         return out
+
+    def _budget(self) -> int:
+        """This step's tokens: max_num_batched_tokens, or max_tokens_with_decodes while running requests decode
+        (never fewer than they are: every decode keeps its step)."""
+        cap = self.max_tokens_with_decodes
+        if cap is None or cap >= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        return self.max_num_batched_tokens if not decoding else min(self.max_num_batched_tokens, max(cap, decoding))
 
     def _first_prefill_goes_alone(self, busy_tenants: set[str]) -> bool:
         """The next waiting request is the first of a tenant with nothing running, while tenants already running

@@ -68,6 +68,28 @@ def test_chunked_prefill_matches_unchunked(make_engine, engine):
     assert engine.generate(prompts, GREEDY) == chunked
 
 
+def test_steps_beside_decodes_keep_to_their_own_budget_and_answers_do_not_change(make_engine, engine):
+    prompts = prompts_of_lengths([150, 150, 150], seed=2)
+    capped = make_engine(max_num_batched_tokens=200, max_tokens_with_decodes=48)
+    capped.add_request("first", prompts[0], GREEDY)
+    [out] = capped.step()  # alone: the whole prompt in one step of the full budget
+    assert capped.step_history[-1].num_prefill_tokens == 150
+    for i, prompt in enumerate(prompts[1:]):
+        capped.add_request(f"later-{i}", prompt, GREEDY)
+    answers = {"first": list(out.new_token_ids)}
+    while capped.has_unfinished():
+        for out in capped.step():
+            answers.setdefault(out.request_id, []).extend(out.new_token_ids)
+    steps = list(capped.step_history)[1:]
+    with_decodes = [s for s in steps if s.num_decode_tokens]
+    assert with_decodes and all(s.num_prefill_tokens + s.num_decode_tokens <= 48 for s in with_decodes)
+    assert any(s.num_prefill_tokens for s in with_decodes), "expected prompt chunks beside the decodes"
+    engine.kv.reset_prefix_cache()
+    assert [answers["first"], answers["later-0"], answers["later-1"]] == engine.generate(prompts, GREEDY)
+    with pytest.raises(ValueError, match="max_tokens_with_decodes"):
+        EngineConfig(model="m", max_tokens_with_decodes=0)
+
+
 def test_small_kv_pool_preempts_and_every_request_completes_unchanged(make_engine, engine):
     prompts = prompts_of_lengths([40, 55, 61, 38, 47, 52, 60, 44], seed=2)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
