@@ -56,7 +56,9 @@ inline __m256i bf16_bits(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvt
 #else
 inline __m256i bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(rne_bits(v)); }
 #endif
-inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, bf16_bits(v));
+}
 inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
