@@ -382,7 +382,8 @@ class LLMEngine:
             # Idle, nothing accepted: `jobs` run alone. The prompt tokens per step of a load that has passed do not
             # price the steps of a replica that holds nothing now.
             return 0.0, alone_s, alone_s
-        return queued.start_step * self._step_s(after), finish_step * self._step_s(after), alone_s
+        step_s = self._step_s(after)
+        return queued.start_step * step_s, finish_step * step_s, alone_s
 
     def _step_s(self, backlog: Backlog) -> float:
         """A coming step's seconds: the batch the queues fill, and the prompt tokens this engine has been

@@ -131,11 +131,11 @@ class Scheduler:
     def _budget(self) -> int:
         """This step's tokens: max_num_batched_tokens, or max_tokens_with_decodes while running requests decode
         (never fewer than they are: every decode keeps its step)."""
-        cap = self.max_tokens_with_decodes
-        if cap is None or cap >= self.max_num_batched_tokens:
-            return self.max_num_batched_tokens
+        full, cap = self.max_num_batched_tokens, self.max_tokens_with_decodes
+        if cap is None or cap >= full:
+            return full
         decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        return self.max_num_batched_tokens if not decoding else min(self.max_num_batched_tokens, max(cap, decoding))
+        return min(full, max(cap, decoding)) if decoding else full
 
     def _first_prefill_goes_alone(self, busy_tenants: set[str]) -> bool:
         """The next waiting request is the first of a tenant with nothing running, while tenants already running

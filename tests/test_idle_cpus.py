@@ -108,6 +108,15 @@ def tiny_source(tmp_path_factory):
     return tiny_llama_source(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def threads_seen(engine: LLMEngine, monkeypatch) -> list[int]:
+    """The torch threads each of the engine's steps runs its model on, from now on."""
+    seen: list[int] = []
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda scheduled: (seen.append(torch.get_num_threads()),
+                                                                     execute(scheduled))[1])
+    return seen
+
+
 class FixedIdle:
     def __init__(self, idle: float) -> None:
         self.value, self.calls = idle, 0
@@ -121,10 +130,7 @@ def test_long_prefill_runs_on_prefill_threads_only_while_the_other_cpus_are_idle
     path, source = tiny_source
     engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=128, num_threads=1,
                                     prefill_threads=2, prepack_weights=False), source=source)
-    seen = []
-    execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", lambda scheduled: (seen.append(torch.get_num_threads()),
-                                                                     execute(scheduled))[1])
+    seen = threads_seen(engine, monkeypatch)
     def long_prompt(first: int) -> list[int]:  # a new one each time: a cached prefix would leave little to prefill
         return list(range(first, first + 100))
 
@@ -147,11 +153,7 @@ def test_decode_steps_run_on_decode_threads_only_while_the_other_cpus_are_idle_w
     def engine_with(**threads) -> tuple[LLMEngine, list[int]]:
         engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=128, num_threads=1,
                                         prepack_weights=False, enable_prefix_caching=False, **threads), source=source)
-        seen: list[int] = []
-        execute = engine.runner.execute
-        monkeypatch.setattr(engine.runner, "execute", lambda scheduled: (seen.append(torch.get_num_threads()),
-                                                                         execute(scheduled))[1])
-        return engine, seen
+        return engine, threads_seen(engine, monkeypatch)
 
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 103)), list(range(7, 19))]
