@@ -2,9 +2,10 @@
 steps as long as its own steps run.
 
 The model, read off the engine's scheduler: a step costs the step model's `base` plus the work of its tokens;
-every waiting prompt is prefilled in the next step (in chunks of `max_num_batched_tokens`), every running request
-decodes one token per step. At `rate` requests per second, token work fills `rho = rate * E[work]` of the time
-and the mean step lasts `base / (1 - rho)`. A request misses
+every waiting prompt is prefilled in the next step (in chunks of `max_num_batched_tokens`, or of
+`max_tokens_with_decodes` while others decode, each further chunk a step with the running batch's decodes), every
+running request decodes one token per step. At `rate` requests per second, token work fills `rho = rate * E[work]`
+of the time and the mean step lasts `base / (1 - rho)`. A request misses
 
 - TTFT when the step running as it arrives, plus a mean step, plus its own prefill, pass `ttft_s`. Steps that
   carry a prefill are the long ones: the chance that one still has more than `x` seconds to run is
@@ -138,7 +139,8 @@ class CapacityModel:
         bound = concurrent / (float(np.mean(sizes.output)) * base + concurrent * float(np.mean(prefill + decode)))
         rates = []
         for collision_share in (1.0, POOLED_COLLISION_SHARE):
-            misses = _Misses(self.slo, prefill, decode, sizes.output, base, feasible, collision_share)
+            misses = _Misses(self.slo, prefill, decode, sizes.output, base, feasible, collision_share,
+                             computed, engine.budget_beside_decodes)
             rates.append(min(bound, misses.sustainable_rate()) if share else 0.0)
         tokens = sizes.computed_tokens
         return Capacity(rates[1], rates[1] * tokens, rates[0], rates[0] * tokens, correction, share)
@@ -148,14 +150,22 @@ class _Misses:
     """The share of feasible requests that miss an objective, as a function of the request rate."""
 
     def __init__(self, slo: SLO, prefill: np.ndarray, decode: np.ndarray, output: np.ndarray, base: float,
-                 feasible: np.ndarray, collision_share: float = 1.0) -> None:
+                 feasible: np.ndarray, collision_share: float = 1.0, computed: np.ndarray | None = None,
+                 budget: float = float("inf")) -> None:
         self.slo, self.base, self.collision_share = slo, base, collision_share
         self.prefill_work, self.decode_work = float(np.mean(prefill)), float(np.mean(decode))
         self.sorted_prefill = np.sort(prefill)
         self.tail_sums = np.concatenate([np.cumsum(self.sorted_prefill[::-1])[::-1], [0.0]])
         self.prefill_square = float(np.mean(prefill**2))  # E[p^2]: the spread of the prefill work arriving
+        self.feasible = feasible
         self.mine = prefill[feasible] + base  # each feasible request's own prefill, with its step's base
         self.life = np.maximum(output[feasible] - 1, 0)
+        # Beside running decodes a step takes at most `budget` tokens, decodes included: a longer prompt takes a
+        # step more for each further chunk, each carrying the running batch's decodes, and prompts queue for the
+        # room the decodes leave.
+        self.budget, self.mean_output = budget, float(np.mean(output))
+        self.computed = np.zeros(len(prefill)) if computed is None else computed
+        self.extra_chunks = np.ceil(self.computed[feasible] / budget) - 1 if computed is not None else 0.0
 
     def sustainable_rate(self) -> float:
         low, high = 0.0, 1.0 / (self.prefill_work + self.decode_work)
@@ -171,18 +181,20 @@ class _Misses:
             return 1.0
         step = self.base / (1 - rho_prefill - rho_decode)
         stretch = 1 + rho_prefill
+        decode_step = self.base * (1 - rho_prefill) / (1 - rho_prefill - rho_decode)
         # TTFT: the residual of a running prefill step, (step + prefill) * stretch, past slack / stretch.
-        slack = slo.ttft_s - step - self.mine
+        slack = slo.ttft_s - step - self.mine - self.extra_chunks * decode_step
         y = np.maximum(slack, 0) / stretch**2 - step - self.base
         above = np.searchsorted(self.sorted_prefill, y, side="right")
         excess = (self.tail_sums[above] - y * (n - above)) / n
         ttft = np.where(slack < 0, 1.0, self.collision_share * rate * stretch * excess)
+        if self.budget < float("inf"):
+            ttft = np.maximum(ttft, self._queued_for_budget(rate, step))
         # ITL: a request's mean step is the decode part of a step (base and the running batch: the fluid share
         # base * (1 - rho_prefill) / (1 - rho)) plus the prefill work landing within its life, spread over its
         # steps. That work is compound Poisson over the life's `life * itl_s` seconds at the boundary: it passes
         # `itl_s` when the work spread over its steps passes what the decode part leaves (a normal tail, mean
         # `rho_prefill * itl_s`, variance `rate * itl_s * E[p^2] / life`), or one prefill alone does.
-        decode_step = self.base * (1 - rho_prefill) / (1 - rho_prefill - rho_decode)
         left = slo.itl_s - decode_step
         spread = np.sqrt(rate * slo.itl_s * self.prefill_square / np.maximum(self.life, 1))
         busy = 0.5 * _erfc((left - rho_prefill * slo.itl_s) / np.maximum(spread, 1e-12) / np.sqrt(2))
@@ -190,6 +202,23 @@ class _Misses:
         single = rate * self.life * step * (n - np.searchsorted(self.sorted_prefill, threshold, side="right")) / n
         itl = np.where(self.life == 0, 0.0, np.where(threshold <= 0, 1.0, np.maximum(busy, single)))
         return float(np.mean(np.minimum(1.0, ttft + itl)))
+
+
+    def _queued_for_budget(self, rate: float, step: float) -> np.ndarray:
+        """Each feasible request's chance to miss TTFT waiting for step budget: prompts are served, in order, by
+        the tokens the decoding requests (`rate * output * step` of them at once, by Little's law) leave of each
+        step's budget, an M/G/1 queue whose wait passes `x` with chance about `u * exp(-x (1 - u) 2 E[S] / E[S^2])`
+        (Kingman's exponential tail; `u` the share of steps with a prompt to serve, `S` a prompt's service)."""
+        room = self.budget - rate * self.mean_output * step
+        if room <= 0:
+            return np.ones(len(self.mine))
+        service = self.computed / room * step
+        u = rate * float(np.mean(service))
+        if u >= 1:
+            return np.ones(len(self.mine))
+        x = self.slo.ttft_s - step - service[self.feasible]
+        decay = (1 - u) * 2 * float(np.mean(service)) / max(float(np.mean(service**2)), 1e-12)
+        return np.where(x <= 0, 1.0, self.collision_share * u * np.exp(-np.maximum(x, 0) * decay))
 
 
 def _erfc(x: np.ndarray) -> np.ndarray:

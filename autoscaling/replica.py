@@ -105,7 +105,7 @@ class SimReplica:
         """Schedules the next step (None when there is nothing to run); its tokens land at now + step.seconds,
         `slowdown` times the step model's time."""
         step = ScheduledStep()
-        budget = self.engine.max_num_batched_tokens
+        budget = self.engine.budget(sum(1 for r in self.running if r.computed >= r.spec.prompt_tokens))
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:

@@ -99,6 +99,19 @@ class EngineShape:
     num_kv_blocks: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    max_tokens_with_decodes: int | None = None  # the budget of a step that carries decodes (None: the same)
+
+    def budget(self, decoding: int) -> int:
+        """A step's tokens with `decoding` requests decoding in it, as engine/scheduler.py's `_budget` rules."""
+        full, cap = self.max_num_batched_tokens, self.max_tokens_with_decodes
+        if cap is None or cap >= full or not decoding:
+            return full
+        return min(full, max(cap, decoding))
+
+    @property
+    def budget_beside_decodes(self) -> int:
+        """The prompt tokens a step takes while others decode (about: the decodes' own tokens aside)."""
+        return min(self.max_num_batched_tokens, self.max_tokens_with_decodes or self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)

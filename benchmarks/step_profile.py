@@ -123,31 +123,60 @@ def _sample(tracked: dict, before: dict[str, int], seconds: float) -> StepSample
 
 
 def make_engine(model: str, dtype: str, threads: int, kv_cache_memory_bytes: int, num_kv_blocks: int | None,
-                max_num_batched_tokens: int, max_num_seqs: int, source=None) -> LLMEngine:
+                max_num_batched_tokens: int, max_num_seqs: int, source=None,
+                max_tokens_with_decodes: int | None = None) -> LLMEngine:
     # Prefix caching off: a step's computed tokens are then exactly how far its requests moved.
     return LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads, num_kv_blocks=num_kv_blocks,
                                   kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=False,
                                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                  step_history=1 << 16), source=source)
+                                  max_tokens_with_decodes=max_tokens_with_decodes, step_history=1 << 16),
+                     source=source)
 
 
 def engine_shape(engine: LLMEngine) -> EngineShape:
     return EngineShape(block_size=engine.config.block_size, num_kv_blocks=engine.runner.num_blocks,
                        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                       max_num_seqs=engine.config.max_num_seqs)
+                       max_num_seqs=engine.config.max_num_seqs,
+                       max_tokens_with_decodes=engine.config.max_tokens_with_decodes)
+
+
+SERVE_CONFIG = Path(__file__).resolve().parent.parent / "serve_config.yaml"
+# The engine settings a profile follows from the app's config: its scheduler's budgets and its KV pool. Its
+# threads are the replica's own CPUs (`engine_num_cpus`); borrowing an idle neighbour's (`prefill_threads`,
+# `decode_threads`) is a replica's luck, not its capacity, and shows in its step correction instead.
+SHAPE_FIELDS = ("dtype", "kv_cache_memory_bytes", "max_num_batched_tokens", "max_tokens_with_decodes",
+                "max_num_seqs")
+
+
+def serve_app_args(path: str | Path = SERVE_CONFIG) -> dict:
+    """The `args` of the first application in a Serve config file (deployments.config.AppArgs' fields)."""
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())["applications"][0]["args"]
+
+
+def serve_engine_settings(path: str | Path = SERVE_CONFIG) -> dict:
+    """The engine settings of the first application in a Serve config file, and its CPUs per engine replica."""
+    args = serve_app_args(path)
+    engine = args.get("engine") or {}
+    return {"threads": int(args.get("engine_num_cpus", 1)), **{k: engine[k] for k in SHAPE_FIELDS if k in engine}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
+    parser.add_argument("--serve-config", default=str(SERVE_CONFIG),
+                        help="the engine settings below default to this Serve config's (serve_config.yaml)")
     parser.add_argument("--name", default="smollm2-135m-cpu-bf16")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads: an engine replica's CPUs (1 here)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20, help="as serve_config.yaml")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads: an engine replica's CPUs")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=512 << 20)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-tokens-with-decodes", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--out", default="autoscaling/profiles/smollm2-135m-cpu-bf16.json")
+    parser.set_defaults(**serve_engine_settings(parser.parse_known_args()[0].serve_config))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -157,7 +186,7 @@ def main() -> None:
                     "the fit but not from the validation run", load_before)
     source = load_model_source(args.model)
     engine = make_engine(args.model, args.dtype, args.threads, args.kv_cache_memory_bytes, args.num_kv_blocks,
-                         args.max_num_batched_tokens, args.max_num_seqs, source)
+                         args.max_num_batched_tokens, args.max_num_seqs, source, args.max_tokens_with_decodes)
     run_workload(engine, SyntheticWorkload(num_requests=2, input_mean=64, output_mean=8).requests())  # warm-up
     samples: list[StepSample] = []
     for workload in CALIBRATION:

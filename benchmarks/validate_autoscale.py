@@ -2,7 +2,8 @@
 same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`.
 
 The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes),
-with AppArgs' autoscaling delays. A first minute and a half of light load (one replica) calibrates: the replicas
+its engine replicas as serve_config.yaml's (the step budgets the profile was recorded with, and a step that
+borrows the neighbour's idle core), with AppArgs' autoscaling delays. A first minute and a half of light load (one replica) calibrates: the replicas
 report how much slower than the recorded profile their steps run in the app (an ingress, a proxy and this client
 share the two cores with them, which the profile, measured on the engine alone, does not see), and the client's
 TTFT of those requests less the simulator's for them gives the serving path's own share of a TTFT (proxy, ingress,
@@ -48,6 +49,7 @@ from autoscaling.simulator import ClusterConfig, SimResult, Simulation, SLOSimPo
 from autoscaling.slo_policy import SLOConfig
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile, StepTimeModel
 from autoscaling.workload import RequestSpec
+from benchmarks.step_profile import serve_app_args
 from deployments.autoscaling_config import AutoscalingArgs
 from deployments.config import AppArgs, EngineArgs
 from deployments.router_config import RouterArgs
@@ -67,7 +69,6 @@ PAIR_CALIBRATION = ((90.0, PHASES[1][1]),)  # on two replicas: the busy phase's 
 MAX_SLOWDOWN = 4.0  # the busy slowdown's fit looks up to this
 INPUT_MEAN, INPUT_CV, MAX_INPUT = 200, 0.6, 800
 OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT = 100, 0.6, 400
-KV_CACHE_BYTES = 512 << 20  # serve_config.yaml's, as the profile was measured with
 
 
 def workload(profile: ReplicaProfile, config: SLOConfig, seed: int,
@@ -128,7 +129,7 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
 
     autoscaling = AutoscalingArgs(enabled=True, policy="slo", min_replicas=1, max_replicas=2, slo=config)
     args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
-                   engine=EngineArgs(kv_cache_memory_bytes=KV_CACHE_BYTES), router=RouterArgs(policy="power_of_two"),
+                   engine=EngineArgs(**serve_app_args()["engine"]), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
     pair_args = args.model_copy(update={"num_engine_replicas": 2,
                                         "autoscaling": autoscaling.model_copy(update={"min_replicas": 2})})

@@ -88,22 +88,27 @@ def test_a_replica_sustains_more_beside_others_than_alone_and_a_tighter_slo_lowe
     assert tight.alone_requests_per_s < capacity.alone_requests_per_s
 
 
+@pytest.mark.parametrize("budget", ["profile", "whole"])
 @pytest.mark.parametrize("replicas", [1, 4])
 @pytest.mark.parametrize("lengths", [dict(input_mean=240, input_cv=1.0, output_mean=150, output_cv=1.0),
                                      dict(input_mean=300, input_cv=0.5, output_mean=100, output_cv=0.4)])
-def test_the_rate_a_replica_sustains_at_the_slo_is_what_a_simulated_replica_sustains(lengths, replicas):
+def test_the_rate_a_replica_sustains_at_the_slo_is_what_a_simulated_replica_sustains(lengths, replicas, budget):
     """Below the predicted rate the simulated replicas hold the SLO for 95% of the requests that can meet it at
     all; a little above it, they do not (the engine's scheduler and step model, Poisson arrivals, power-of-two
-    routing between replicas). One replica alone is held to its lone rate, four to four times the pooled one."""
+    routing between replicas). One replica alone is held to its lone rate, four to four times the pooled one.
+    With the profile's step budget beside decodes (prompts queue for what the decodes leave of it), and with a
+    step taking the whole budget whatever runs."""
+    profile = PROFILE if budget == "profile" else dataclasses.replace(
+        PROFILE, engine=dataclasses.replace(PROFILE.engine, max_tokens_with_decodes=None))
     requests = mix(seed=3, n=1500, **lengths)
-    capacity = MODEL.capacity(sizes_of(requests[:512]))
+    capacity = CapacityModel(profile, SLO()).capacity(sizes_of(requests[:512]))
     predicted = capacity.alone_requests_per_s if replicas == 1 else replicas * capacity.requests_per_s
-    model = PROFILE.step_model
+    model = profile.step_model
 
     def missed(rate: float) -> float:
         arrivals = np.cumsum(np.random.default_rng(9).exponential(1 / rate, len(requests)))
         replay = [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(requests, arrivals)]
-        result = simulate(replay, PROFILE, OngoingRequestsPolicy(),
+        result = simulate(replay, profile, OngoingRequestsPolicy(),
                           ClusterConfig(serve=ServeAutoscalingConfig(replicas, replicas), initial_replicas=replicas))
         feasible = [r for r in result.requests if model.seconds(r.spec.prompt_tokens, 0, 0, r.spec.prompt_tokens ** 2
                                                                 / 2e6) + 2 * model.base <= 2.0]

@@ -14,9 +14,11 @@ from autoscaling.policy import QueueKVConfig
 from autoscaling.report import SLO, summarize
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, simulate
+from autoscaling.replica import SimReplica, SimRequest
 from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile, StepSample, StepTimeModel
 from autoscaling.workload import (REPLICAS_OF_WORK, RequestSpec, ShapedWorkload, SyntheticWorkload, TraceWorkload,
                                 saturation_rate, scaled_to)
+from benchmarks.step_profile import serve_engine_settings
 from loadtests.datasets import MOONCAKE_TRACE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,9 +143,45 @@ def test_cli_compares_policies_and_writes_json_and_png(tmp_path):
 
 
 def test_engine_shape_of_the_recorded_profile_is_the_apps():
+    app = serve_engine_settings()  # serve_config.yaml: what `make serve` runs and `make step-profile` records
+    assert app["max_tokens_with_decodes"] < app["max_num_batched_tokens"]
     assert PROFILE.engine == EngineShape(block_size=16, num_kv_blocks=PROFILE.engine.num_kv_blocks,
-                                         max_num_batched_tokens=2048, max_num_seqs=64)
+                                         max_num_batched_tokens=app["max_num_batched_tokens"],
+                                         max_num_seqs=app["max_num_seqs"],
+                                         max_tokens_with_decodes=app["max_tokens_with_decodes"])
     assert PROFILE.engine.num_kv_blocks > 1000  # 512 MiB of KV, as serve_config.yaml gives each replica
+    assert f"{app['threads']} torch thread(s)" in PROFILE.description
+
+
+def test_the_simulated_scheduler_keeps_a_step_beside_decodes_to_its_own_budget():
+    """As engine/scheduler.py: a prompt at an idle replica takes the whole budget in one step; once requests
+    decode, a step takes at most max_tokens_with_decodes (never fewer than its decodes)."""
+    shape = EngineShape(block_size=16, num_kv_blocks=4096, max_num_batched_tokens=200, max_num_seqs=64,
+                        max_tokens_with_decodes=48)
+    replica = SimReplica(0, shape, PROFILE.step_model, started_at=0.0, ready_at=0.0)
+    requests = [SimRequest(0, RequestSpec(0.0, 150, 40))]
+    replica.add(requests[0], 0.0)
+    now, steps = 0.0, []
+    for i in range(1, 5):  # three more prompts join while the first decodes
+        requests.append(SimRequest(i, RequestSpec(0.0, 120, 40)))
+    for _ in range(200):
+        if len(steps) == 2:
+            for request in requests[1:]:
+                replica.add(request, now)
+        step = replica.start_step(now)
+        if step is None:
+            break
+        steps.append(step)
+        now += step.seconds
+        replica.finish_step(now)
+    assert all(r.finish_s is not None for r in requests)
+    assert [n for _, n in steps[0].batch] == [150]  # alone: the whole prompt in one step
+    later = steps[1:]
+    decoding = [sum(1 for r, n in s.batch if n == 1 and r.computed > r.spec.prompt_tokens) for s in later]
+    assert all(sum(n for _, n in s.batch) <= max(48, d) for s, d in zip(later, decoding))
+    assert any(s.stats.num_prefill_tokens and s.stats.num_decode_requests for s in later)  # chunks beside decodes
+    assert shape.budget(0) == 200 and shape.budget(10) == 48 and shape.budget(60) == 60
+    assert dataclasses.replace(shape, max_tokens_with_decodes=None).budget(10) == 200
 
 
 def test_a_lone_replica_offered_its_saturation_rate_keeps_up_below_it_and_falls_behind_above_it():
