@@ -20,7 +20,9 @@ show their means. Per workload:
 - at equal replica-seconds: the goodput Serve's curve reaches with as many, against the policy's;
 - SLO attainment: the share of the window's requests that met both objectives.
 
-`--training` runs the synthetic shapes at the training seeds instead (benchmarks/fit_forecast.py's), where
+`--foresight` also runs `autoscaling.foresight.ForesightPolicy`, the SLO policy's planning with a perfect forecast,
+at headrooms 0 to 0.3: a bound on what any forecast could save here. `--training` runs the synthetic shapes at the
+training seeds instead (benchmarks/fit_forecast.py's), where
 changes to the SLO policy are measured before the benchmark sees them. `--levers` also runs the SLO policy without
 each of its parts, and every policy with a 30 s downscale delay, to show what each part gives. Writes JSON, the
 curves (PNG) and the replica counts over time (PNG).
@@ -40,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from autoscaling.capacity import SLO
+from autoscaling.foresight import ForesightPolicy
 from autoscaling.report import Summary, summarize, table
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulate import parse_policy
@@ -61,6 +64,8 @@ OURS = ("slo", "queue_kv")
 LEVERS = {"slo:headroom=0": "nothing held beyond the forecast (no observed surprise, no prior)",
           "slo:level_time_s=1": "no smoothing (the load as last measured)",
           "slo:trend_time_s=240": "a trend in the forecast (the best of fit-forecast's)"}
+# Perfect foresight of the load at a few headrooms (--foresight; autoscaling/foresight.py): a bound, not a policy.
+FORESIGHT = tuple(f"foresight:{h:g}" for h in (0.0, 0.1, 0.2, 0.3))
 SHORT_DOWNSCALE_S = 30.0
 TARGET_SAVING = 0.25
 TARGET_ATTAINMENT = 0.95
@@ -110,7 +115,12 @@ def run_job(job: Job, case: Case, profile: ReplicaProfile, cluster: ClusterConfi
             slo: SLO) -> tuple[Job, Summary, SimResult | None]:
     serve = dataclasses.replace(cluster.serve, downscale_delay_s=job.downscale_delay_s)
     cluster = dataclasses.replace(cluster, serve=serve, seed=job.seed)
-    result = simulate(case.requests, profile, parse_policy(job.policy, slo), cluster)
+    if job.policy.startswith("foresight:"):
+        policy = ForesightPolicy(case.requests, profile, slo, cluster.startup_s,
+                                 headroom=float(job.policy.partition(":")[2]), name=job.policy)
+    else:
+        policy = parse_policy(job.policy, slo)
+    result = simulate(case.requests, profile, policy, cluster)
     summary = summarize(result, slo, case.start_s, case.end_s)
     return job, summary, result if job.seed == 0 else None
 
@@ -177,6 +187,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
     parser.add_argument("--levers", action="store_true", help="also run the SLO policy without each of its parts, "
                                                               "and every policy with a 30 s downscale delay")
+    parser.add_argument("--foresight", action="store_true",
+                        help="also run the SLO policy's planning with perfect foresight of the load, at headrooms "
+                             "0 to 0.3: what a perfect forecast would save against Serve's curve")
     parser.add_argument("--training", action="store_true",
                         help="run the training workloads (the synthetic shapes at the training seeds) instead")
     parser.add_argument("--out", default="results/bench_autoscale.json")
@@ -196,6 +209,7 @@ def main() -> None:
     delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
     jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays
             for p in list(OURS) + curve_names + (list(LEVERS) if args.levers and d == delays[0] else [])
+            + (list(FORESIGHT) if args.foresight and d == delays[0] else [])
             for seed in range(args.seeds)]
     runs: dict[tuple[int, str, float], list[Summary]] = {}
     shown: dict[tuple[int, str, float], SimResult] = {}
@@ -216,7 +230,7 @@ def main() -> None:
         for delay in delays:
             means = {p: mean_summary(runs[(c, p, delay)]) for p in {k[1] for k in runs if k[0] == c and k[2] == delay}}
             curve = [means[p] for p in curve_names]
-            ours = [p for p in list(OURS) + list(LEVERS) if p in means]
+            ours = [p for p in list(OURS) + list(LEVERS) + list(FORESIGHT) if p in means]
             comparisons = {p: compare(means[p], curve) for p in ours}
             report.append({"workload": case.name, "downscale_delay_s": delay, "requests": len(case.requests),
                            "window_s": [case.start_s, case.end_s],
@@ -232,7 +246,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "trace": str(args.trace), "block_size": args.block_size, "profile": profile.name,
         "serve": dataclasses.asdict(serve), "startup_s": args.startup_s, "slo": dataclasses.asdict(slo),
-        "seeds": args.seeds, "warmup_s": WARMUP_S, "levers": LEVERS if args.levers else {}, "cases": report,
+        "seeds": args.seeds, "warmup_s": WARMUP_S, "levers": LEVERS if args.levers else {},
+        "foresight": list(FORESIGHT) if args.foresight else [], "cases": report,
         "target_met": met}, indent=2) + "\n")
     _plot_curves(report, delays[0], out.with_suffix(".png"))
     timelines = out.with_name(out.stem + "_timelines.png")

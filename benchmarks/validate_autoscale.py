@@ -118,7 +118,16 @@ def scaled(profile: ReplicaProfile, correction: float) -> ReplicaProfile:
     return dataclasses.replace(profile, step_model=model)
 
 
-def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) -> RealRun:
+def engine_args(borrow: bool) -> EngineArgs:
+    """serve_config.yaml's engine; without `borrow`, each replica keeps to its own CPU."""
+    engine = dict(serve_app_args()["engine"])
+    if not borrow:
+        engine.pop("prefill_threads", None)
+        engine.pop("decode_threads", None)
+    return EngineArgs(**engine)
+
+
+def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int, borrow: bool = True) -> RealRun:
     from deployments import local
     from engine.loader import load_tokenizer
     from loadtests.arrivals import LoadMode
@@ -129,7 +138,7 @@ def run_real(model: str, profile: ReplicaProfile, config: SLOConfig, seed: int) 
 
     autoscaling = AutoscalingArgs(enabled=True, policy="slo", min_replicas=1, max_replicas=2, slo=config)
     args = AppArgs(model=model, num_engine_replicas=1, engine_num_cpus=1, ingress_max_replicas=1,
-                   engine=EngineArgs(**serve_app_args()["engine"]), router=RouterArgs(policy="power_of_two"),
+                   engine=engine_args(borrow), router=RouterArgs(policy="power_of_two"),
                    autoscaling=autoscaling)
     pair_args = args.model_copy(update={"num_engine_replicas": 2,
                                         "autoscaling": autoscaling.model_copy(update={"min_replicas": 2})})
@@ -383,13 +392,16 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--no-borrow", action="store_true",
+                        help="engine replicas keep to their own CPU (serve_config.yaml's prefill_threads and "
+                             "decode_threads unset), as the profile was recorded")
     parser.add_argument("--out", default="results/validate_autoscale.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     profile, config = ReplicaProfile.load(args.profile), SLOConfig()
     end_s = sum(seconds for seconds, _ in PHASES)
     load_before = os.getloadavg()
-    run = run_real(args.model, profile, config, args.seed)
+    run = run_real(args.model, profile, config, args.seed, borrow=not args.no_borrow)
     load_after = os.getloadavg()
     real = real_summary(run, config, end_s)
     times = run_seconds(end_s)
@@ -408,7 +420,8 @@ def main() -> None:
     post_slowdown = fit_busy_slowdown(run.pair_requests, scaled(profile, correction), config, pair / correction)
     post = predicted(run.requests, scaled(profile, correction), config, measured_startup, post_slowdown, overhead,
                      end_s)
-    report = {"real": real, "a_priori": compare(real, prior, real_counts),
+    report = {"engine": engine_args(not args.no_borrow).model_dump(exclude_none=True),
+              "real": real, "a_priori": compare(real, prior, real_counts),
               "a_posteriori": compare(real, post, real_counts),
               "a_priori_without_busy_slowdown": compare(real, flat, real_counts),
               "measured": {"calibration_step_correction": run.calibration, "startup_s": run.startup_s,

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoscaling.foresight import ForesightPolicy
 from autoscaling.policy import QueueKVConfig
 from autoscaling.report import SLO, summarize
 from autoscaling.serve_rules import ServeAutoscalingConfig
@@ -68,6 +69,26 @@ def test_queue_kv_policy_scales_out_for_a_surge_and_back_in_after_it():
     assert alive[-1] < max(alive) and all(a >= FAST_SERVE.min_replicas for a in alive[peak:])
     assert all(r.finish_s is not None for r in result.requests), "draining replicas finish what they hold"
     assert result.replica_seconds < max(alive) * result.duration_s
+
+
+def test_perfect_foresight_has_its_replicas_running_when_a_surge_arrives_and_lets_them_go_after():
+    """ForesightPolicy (a bound for bench-autoscale) asks for replicas one lead time before the load needs them;
+    a policy that only sees the load now has one replica when the surge lands."""
+    requests = surge()
+    start_busy = requests[20].arrival_s  # surge(): 20 quiet requests, then the busy minute
+    cluster = ClusterConfig(serve=FAST_SERVE, startup_s=10.0)
+
+    def running_at(result, t: float) -> int:
+        return [p.running for p in result.timeline if p.t <= t][-1]
+
+    foresight = simulate(requests, PROFILE, ForesightPolicy(requests, PROFILE, SLO(), cluster.startup_s), cluster)
+    late = simulate(requests, PROFILE, QueueKVSimPolicy(), cluster)
+    assert running_at(foresight, start_busy) >= 2 and running_at(late, start_busy) == 1
+    assert running_at(foresight, start_busy - 30.0) == 1  # not asked for long before
+    alive = [p.running + p.starting + p.draining for p in foresight.timeline]
+    assert alive[-1] == 1 and max(alive) <= FAST_SERVE.max_replicas
+    with pytest.raises(ValueError):
+        ForesightPolicy(requests, PROFILE, SLO(), 10.0, headroom=1.0)
 
 
 def test_a_replica_killed_at_its_drain_deadline_fails_what_it_held():
