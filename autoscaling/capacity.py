@@ -165,7 +165,7 @@ class _Misses:
         # room the decodes leave.
         self.budget, self.mean_output = budget, float(np.mean(output))
         self.computed = np.zeros(len(prefill)) if computed is None else computed
-        self.extra_chunks = np.ceil(self.computed[feasible] / budget) - 1 if computed is not None else 0.0
+        self.extra_chunks = np.maximum(np.ceil(self.computed[feasible] / budget) - 1, 0)
 
     def sustainable_rate(self) -> float:
         low, high = 0.0, 1.0 / (self.prefill_work + self.decode_work)
@@ -202,7 +202,6 @@ class _Misses:
         single = rate * self.life * step * (n - np.searchsorted(self.sorted_prefill, threshold, side="right")) / n
         itl = np.where(self.life == 0, 0.0, np.where(threshold <= 0, 1.0, np.maximum(busy, single)))
         return float(np.mean(np.minimum(1.0, ttft + itl)))
-
 
     def _queued_for_budget(self, rate: float, step: float) -> np.ndarray:
         """Each feasible request's chance to miss TTFT waiting for step budget: prompts are served, in order, by
