@@ -102,7 +102,8 @@ class EngineShape:
     max_tokens_with_decodes: int | None = None  # the budget of a step that carries decodes (None: the same)
 
     def budget(self, decoding: int) -> int:
-        """A step's tokens with `decoding` requests decoding in it, as engine/scheduler.py's `_budget` rules."""
+        """A step's tokens with `decoding` requests decoding in it: engine.scheduler.step_budget, restated here (the
+        autoscaling package does not import the engine; tests/test_autoscaling_simulator.py checks they agree)."""
         full, cap = self.max_num_batched_tokens, self.max_tokens_with_decodes
         if cap is None or cap >= full or not decoding:
             return full

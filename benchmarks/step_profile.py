@@ -28,6 +28,7 @@ import torch
 
 from autoscaling.step_model import EngineShape, ReplicaProfile, StepSample, StepTimeModel
 from autoscaling.workload import RequestSpec, SyntheticWorkload
+from deployments.run import applications
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import load_model_source
 
@@ -149,10 +150,10 @@ SHAPE_FIELDS = ("dtype", "kv_cache_memory_bytes", "max_num_batched_tokens", "max
 
 
 def serve_app_args(path: str | Path = SERVE_CONFIG) -> dict:
-    """The `args` of the first application in a Serve config file (deployments.config.AppArgs' fields)."""
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text())["applications"][0]["args"]
+    """The `args` of the first application in a Serve config file (deployments.config.AppArgs' fields), read as
+    `make serve` reads it."""
+    [(_, args)], _ = applications(str(path), [])
+    return args
 
 
 def serve_engine_settings(path: str | Path = SERVE_CONFIG) -> dict:

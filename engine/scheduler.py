@@ -59,6 +59,16 @@ class SchedulerOutput:
 SOLO_STEP_PERIOD = 4
 
 
+def step_budget(max_num_batched_tokens: int, max_tokens_with_decodes: int | None, decoding: int) -> int:
+    """A step's tokens with `decoding` running requests decoding: max_num_batched_tokens, or max_tokens_with_decodes
+    while requests decode (never fewer than they are: every decode keeps its step). autoscaling/step_model.py's
+    EngineShape.budget restates it for the simulator, which does not import the engine."""
+    full, cap = max_num_batched_tokens, max_tokens_with_decodes
+    if cap is None or cap >= full or not decoding:
+        return full
+    return min(full, max(cap, decoding))
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, fair: FairShare | None = None,
@@ -129,13 +139,11 @@ class Scheduler:
         return out
 
     def _budget(self) -> int:
-        """This step's tokens: max_num_batched_tokens, or max_tokens_with_decodes while running requests decode
-        (never fewer than they are: every decode keeps its step)."""
-        full, cap = self.max_num_batched_tokens, self.max_tokens_with_decodes
-        if cap is None or cap >= full:
-            return full
+        cap = self.max_tokens_with_decodes
+        if cap is None or cap >= self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
         decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        return min(full, max(cap, decoding)) if decoding else full
+        return step_budget(self.max_num_batched_tokens, cap, decoding)
 
     def _first_prefill_goes_alone(self, busy_tenants: set[str]) -> bool:
         """The next waiting request is the first of a tenant with nothing running, while tenants already running

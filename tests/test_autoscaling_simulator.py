@@ -20,6 +20,7 @@ from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile,
 from autoscaling.workload import (REPLICAS_OF_WORK, RequestSpec, ShapedWorkload, SyntheticWorkload, TraceWorkload,
                                 saturation_rate, scaled_to)
 from benchmarks.step_profile import serve_engine_settings
+from engine.scheduler import step_budget
 from loadtests.datasets import MOONCAKE_TRACE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,6 +204,9 @@ def test_the_simulated_scheduler_keeps_a_step_beside_decodes_to_its_own_budget()
     assert any(s.stats.num_prefill_tokens and s.stats.num_decode_requests for s in later)  # chunks beside decodes
     assert shape.budget(0) == 200 and shape.budget(10) == 48 and shape.budget(60) == 60
     assert dataclasses.replace(shape, max_tokens_with_decodes=None).budget(10) == 200
+    for cap in (None, 48, 200, 300):  # the simulator's restatement of the engine's rule agrees with it
+        restated = dataclasses.replace(shape, max_tokens_with_decodes=cap)
+        assert all(restated.budget(d) == step_budget(200, cap, d) for d in (0, 1, 47, 48, 60, 199, 200, 250))
 
 
 def test_a_lone_replica_offered_its_saturation_rate_keeps_up_below_it_and_falls_behind_above_it():
