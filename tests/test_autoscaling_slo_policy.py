@@ -105,8 +105,38 @@ def test_the_safety_net_waits_for_the_replicas_already_starting_but_still_blocks
     # the queue before more are asked for.
     assert starting.num_replicas == 4 and "overloaded" not in starting.reason
     assert starting.state["last_overloaded_at"] == 600.0  # ... and a scale-in stays blocked
-    arrived = slo_decision(signals([replica(100.0, waiting=40.0)] * 4, now=630.0), FIXED, starting.state)
-    assert arrived.num_replicas > 4 and "overloaded" in arrived.reason
+    # Arrived, with a queue the four cannot work off within a lead time (320 * 400 tokens against 1,600 tok/s
+    # spare over 46 s): the safety net sees an overload again (the plan's drain asks for more still).
+    arrived = slo_decision(signals([replica(100.0, waiting=80.0)] * 4, now=630.0), FIXED, starting.state)
+    assert arrived.num_replicas > 4 and arrived.state["last_overloaded_at"] == 630.0
+
+
+def test_the_safety_net_leaves_a_queue_the_running_replicas_work_off_before_help_could_arrive():
+    state = settled([replica(100.0)] * 4)
+    # 6 waiting per replica is 2.4 times the mark, but 24 * 400 tokens go in 6 s at the 1,600 tok/s the four
+    # have beyond the load: replicas asked for now would come when the queue is gone.
+    drains = slo_decision(signals([replica(100.0, waiting=6.0)] * 4, now=600.0), FIXED, state)
+    assert drains.num_replicas <= 4 and "overloaded" not in drains.reason
+    # The same queue beside a load near their capacity (80 tok/s spare): overloaded.
+    busy_state = settled([replica(480.0)] * 4)
+    busy = slo_decision(signals([replica(480.0, waiting=6.0)] * 4, now=600.0), FIXED, busy_state)
+    assert busy.num_replicas > 4 and "overloaded" in busy.reason
+    # A full KV cache is overload however short the queue.
+    full = slo_decision(signals([replica(100.0, waiting=6.0, kv=0.97)] * 4, now=600.0), FIXED, state)
+    assert full.num_replicas > 4 and "overloaded" in full.reason
+
+
+def test_a_scale_in_waits_while_the_load_on_its_trend_would_need_the_replicas():
+    def ramp(config: SLOConfig) -> int:
+        state: dict = {}
+        for t in range(0, 305, 5):  # 280 -> 780 tok/s over 300 s on three replicas; two cover 800
+            decision = slo_decision(signals([replica((280.0 + 500.0 * t / 300) / 3)] * 3, now=float(t)), config,
+                                    state)
+            state = decision.state
+        return decision.num_replicas
+
+    assert ramp(FIXED) == 3  # 780 + 31 s of the trend's 1.7 tok/s/s passes 800
+    assert ramp(dataclasses.replace(FIXED, scale_in_trend_time_s=None)) == 2
 
 
 def test_holds_while_a_replica_has_not_reported_or_starts():
