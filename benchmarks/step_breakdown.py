@@ -67,7 +67,6 @@ class LinearClock:
 
     def __init__(self, model: torch.nn.Module, kinds: dict[tuple[int, int], str]) -> None:
         self.total_s: dict[str, float] = defaultdict(float)
-        self.calls = 0
         self._started: dict[int, float] = {}
         self._handles = []
         for module in model.modules():
@@ -93,8 +92,9 @@ class LinearClock:
 
 def operator_split(prof, kinds: dict[tuple[int, int], str], measured_ms: float,
                    clocked: dict[str, float] | None = None) -> dict[str, float]:
-    """The profiler's self time by kind of operator, scaled to `measured_ms` (the profiler slows every op by a
-    little: its shares are kept, its total is not)."""
+    """Milliseconds a step by kind of operator: the `clocked` kinds as their clock read them (LinearClock), the
+    others the profiler's self times scaled to what is left of `measured_ms` (the profiler slows every op: its
+    shares are kept, its total is not)."""
     self_us: dict[str, float] = defaultdict(float)
     for event in prof.key_averages(group_by_input_shape=True):
         if event.key.startswith(("tokenline::", "mkldnn::", "aten::")):
