@@ -93,6 +93,7 @@ class Plan:
     demand: float  # tokens/s offered now
     forecast: float  # tokens/s expected one lead time ahead
     needed: float  # tokens/s to cover: the larger of the two, plus the queue's drain
+    drain: float  # tokens/s that work the queued requests off within the lead time
     surprise: float  # tokens/s held beyond that for what the forecast missed lately (autoscaling/headroom.py)
     capacity: float  # tokens/s one replica sustains at the SLO
     headroom: float
@@ -207,7 +208,7 @@ def _plan(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],
         state["demand_trend"] = asdict(trend_state)
         if not idle:
             on_trend = replicas_for(max(demand, trended.forecast(trend_state, lead)) + drain + surprise)
-    return Plan(demand, forecast, needed, surprise, capacity, headroom, lead, wanted, per_request, on_trend)
+    return Plan(demand, forecast, needed, drain, surprise, capacity, headroom, lead, wanted, per_request, on_trend)
 
 
 def _safety_net(signals: DeploymentSignals, config: SLOConfig, plan: Plan,
@@ -231,8 +232,7 @@ def _drains_before_help_arrives(signals: DeploymentSignals, plan: Plan, load: Lo
     if load.kv_usage > marks.kv_high or load.preemptions_per_s > marks.preemptions_high:
         return False
     spare = signals.current_replicas * plan.capacity - max(plan.demand, plan.forecast)
-    queued = load.waiting * signals.current_replicas * plan.tokens_per_request
-    return spare > 0 and queued <= spare * plan.lead_s
+    return spare > 0 and plan.drain <= spare
 
 
 def _track_startup(state: dict[str, Any], signals: DeploymentSignals) -> dict[str, Any]:
