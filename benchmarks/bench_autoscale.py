@@ -24,7 +24,8 @@ show their means. Per workload:
 at headrooms 0 to 0.3: a bound on what any forecast could save here. `--training` runs the synthetic shapes at the
 training seeds instead (benchmarks/fit_forecast.py's), where
 changes to the SLO policy are measured before the benchmark sees them. `--levers` also runs the SLO policy without
-each of its parts, and every policy with a 30 s downscale delay, to show what each part gives. Writes JSON, the
+each of its parts, and every policy with a 30 s downscale delay, to show what each part gives; `--variants` runs
+other policies beside them (a knob of the SLO policy at other values, as `slo:knob=value`). Writes JSON, the
 curves (PNG) and the replica counts over time (PNG).
 
     python -m benchmarks.bench_autoscale    # the Mooncake trace kept in loadtests/traces/, or --trace FILE
@@ -190,6 +191,9 @@ def main() -> None:
     parser.add_argument("--foresight", action="store_true",
                         help="also run the SLO policy's planning with perfect foresight of the load, at headrooms "
                              "0 to 0.3: what a perfect forecast would save against Serve's curve")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="POLICY",
+                        help="also run these policies, compared like the SLO policy "
+                             "(e.g. slo:scale_in_trend_time_s=30; autoscaling.simulate's syntax)")
     parser.add_argument("--training", action="store_true",
                         help="run the training workloads (the synthetic shapes at the training seeds) instead")
     parser.add_argument("--out", default="results/bench_autoscale.json")
@@ -208,7 +212,7 @@ def main() -> None:
     curve_names = [f"ongoing_requests:{t}" for t in TARGETS]
     delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
     jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays
-            for p in list(OURS) + curve_names + (list(LEVERS) if args.levers and d == delays[0] else [])
+            for p in list(OURS) + args.variants + curve_names + (list(LEVERS) if args.levers and d == delays[0] else [])
             + (list(FORESIGHT) if args.foresight and d == delays[0] else [])
             for seed in range(args.seeds)]
     runs: dict[tuple[int, str, float], list[Summary]] = {}
@@ -230,13 +234,14 @@ def main() -> None:
         for delay in delays:
             means = {p: mean_summary(runs[(c, p, delay)]) for p in {k[1] for k in runs if k[0] == c and k[2] == delay}}
             curve = [means[p] for p in curve_names]
-            ours = [p for p in list(OURS) + list(LEVERS) + list(FORESIGHT) if p in means]
+            ours = [p for p in list(OURS) + args.variants + list(LEVERS) + list(FORESIGHT) if p in means]
             comparisons = {p: compare(means[p], curve) for p in ours}
             report.append({"workload": case.name, "downscale_delay_s": delay, "requests": len(case.requests),
                            "window_s": [case.start_s, case.end_s],
                            "results": [means[p].as_dict() for p in ours + curve_names],
                            "comparisons": comparisons})
             _print_case(case, delay, [means[p] for p in ours + curve_names], comparisons)
+    _print_totals([r for r in report if r["downscale_delay_s"] == delays[0]])
     met = all(r["comparisons"]["slo"]["target_met"] for r in report if r["downscale_delay_s"] == delays[0])
     print(f"\ntarget (each workload: >= {TARGET_SAVING:.0%} fewer replica-seconds than Serve's default at equal "
           f"goodput, >= {TARGET_ATTAINMENT:.0%} attainment): {'met' if met else 'not met'}")
@@ -266,6 +271,19 @@ def _print_case(case: Case, delay: float, summaries: list[Summary], comparisons:
               f"{c['goodput_gain']:+.1%} goodput; Serve's cheapest target at >= {TARGET_ATTAINMENT:.0%}: "
               f"{c['serve_best_target']} ({c['serve_best_attainment']:.1%}, {c['serve_best_replica_seconds']:.0f} "
               f"replica-s)")
+
+
+def _print_totals(report: list[dict]) -> None:
+    """Per policy over every workload: replica-seconds summed, the lowest attainment, the workloads where the target
+    is met, and the mean saving over those where Serve's curve reaches the policy's goodput."""
+    print("\nover all workloads:")
+    for name in report[0]["comparisons"]:
+        rows = [r["comparisons"][name] for r in report]
+        savings = [c["replica_seconds_saving"] for c in rows if c["replica_seconds_saving"] is not None]
+        mean = f"{np.mean(savings):.1%} over {len(savings)}" if savings else "n/a"
+        print(f"  {name}: {sum(c['replica_seconds'] for c in rows):,.0f} replica-s, lowest attainment "
+              f"{min(c['attainment'] for c in rows):.1%}, target met on {sum(c['target_met'] for c in rows)} of "
+              f"{len(rows)}, mean saving {mean}")
 
 
 def _plot_curves(report: list[dict], delay: float, path: Path) -> None:
