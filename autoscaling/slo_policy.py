@@ -60,7 +60,8 @@ class SLOConfig:
     level_time_s: float = 45.0
     trend_time_s: float | None = None
     # The trend's time constant in the forecast that must also be covered before a scale-in (None: no such check).
-    # Fitted on the training workloads (make bench-autoscale BENCH_ARGS=--training): 30, 60, 120 and 240 s gave
+    # Fitted on the training workloads (make bench-autoscale BENCH_ARGS="--training --variants
+    # slo:scale_in_trend_time_s=none slo:scale_in_trend_time_s=30 ..."): 30, 60, 120 and 240 s gave
     # 48,082, 47,837, 47,837 and 47,755 replica-seconds over the twelve against 47,723 without, a mean saving of
     # 23.6, 23.6, 23.5 and 21.3% against 21.5%, lowest attainment 94.5, 94.6, 94.2 and 94.2% against 94.7%: a
     # daily cycle's rise no longer loses a replica halfway up (seed 103: 95.5 -> 99.5% for 0.8% more).
