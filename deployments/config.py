@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import ConfigDict, Field, create_model
 
 from deployments.auth import SecurityArgs
 from deployments.autoscaling_config import AutoscalingArgs

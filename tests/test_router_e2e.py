@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest

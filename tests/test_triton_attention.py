@@ -14,7 +14,7 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on CPU, conftest turns the interpreter on
 pytest.importorskip("triton", reason="Triton is not installed (make install brings it with the dev extra)")
 
-from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, select_backend  # noqa: E402
+from engine.attention import AttentionMetadata, PrefillChunk, select_backend  # noqa: E402
 from engine import triton_attention  # noqa: E402
 
 KV_HEADS = 2
