@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.request import Request
@@ -144,6 +145,27 @@ def test_draws_never_land_on_a_zero_weight_token_and_follow_the_weights_on_a_lar
             counts[token] += 1
     assert counts.sum() == 64 * 50 and set(counts.nonzero().flatten().tolist()) <= {1000, 40000, vocab - 2}
     assert math.isclose(counts[1000] / counts.sum(), 0.75, abs_tol=0.04)
+
+
+@pytest.mark.parametrize("vocab", [1000, 1025, 5000])
+def test_the_two_level_inversion_draws_what_one_cumulative_sum_over_the_row_draws(vocab):
+    from engine.sampler import sample_from
+
+    gen = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(256, vocab, generator=gen) ** 4
+    weights[weights < 0.05] = 0.0  # zero-weight runs, some across block edges
+    weights[:, -1] = 1.0  # the last real token, beside the padded tail of its block
+    weights[7] = 0.0
+    weights[7, 1023 % vocab] = 1.0  # a row with one drawable token
+    seeds = [(row, torch.Generator().manual_seed(1000 + row)) for row in range(256)]
+    drawn = sample_from(weights, seeds)
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(1000 + row))
+                         for row in range(256)]).unsqueeze(1)
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    expected = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    # The same draws but where a block's float32 sum rounds a boundary by ~1e-7 of its weight.
+    assert (drawn == expected).float().mean() >= 0.99
+    assert drawn[7] == 1023 % vocab and bool((weights[torch.arange(256), drawn] > 0).all())
 
 
 def test_greedy_and_sampled_rows_mix_in_one_batch():
