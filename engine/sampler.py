@@ -2,11 +2,11 @@
 penalties and structured-output bitmasks on the rows that use them (engine/logits_processors.py,
 engine/structured_output.py).
 
-Sampling inverts each row's cumulative distribution at one uniform draw (in float64, so the draw is exact to far
-below any token's probability; on two levels, blocks then tokens: `sample_from`): one random number per row, where
-the exponential race (argmax of p / E, E ~ Exp(1) per vocabulary entry) cost a random draw per entry, 30 ms a step
-at batch 32 on one CPU thread against 3. A seeded request draws its uniform from its own generator, so its tokens
-do not depend on its batch neighbours.
+Sampling inverts each row's cumulative distribution at one uniform draw (on two levels, blocks then tokens, in
+float64: each token's chance within about 1e-6 of its share, however small; `sample_from`): one random number per
+row, where the exponential race (argmax of p / E, E ~ Exp(1) per vocabulary entry) cost a random draw per entry,
+30 ms a step at batch 32 on one CPU thread against 3. A seeded request draws its uniform from its own generator, so
+its tokens do not depend on its batch neighbours.
 """
 from __future__ import annotations
 
