@@ -146,13 +146,13 @@ def sample_from(probs: torch.Tensor, generators: list[tuple[int, torch.Generator
     blocks = padded.view(rows, per_row, CDF_BLOCK)
     block_sums = blocks.sum(dim=-1)
     block_cdf = block_sums.double().cumsum(dim=-1)
+    starts = torch.nn.functional.pad(block_cdf, (1, 0))  # where each block's weight begins
     uniform = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
     for row, generator in generators:
         uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator).to(probs.device)
     target = uniform * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=per_row - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(target))
-    share = (target - before) / block_sums.gather(1, block).double()
+    share = (target - starts.gather(1, block)) / block_sums.gather(1, block).double()
     inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)
     rest = torch.minimum(share * inner[:, -1:], torch.nextafter(inner[:, -1:], torch.zeros_like(target)))
     index = torch.searchsorted(inner, rest, right=True).clamp_(max=CDF_BLOCK - 1)
