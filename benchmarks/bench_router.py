@@ -90,7 +90,8 @@ def render(rows: list[Row]) -> str:
         if ours and base:
             lines.append(f"{name}: hit rate x{ours.hit_rate_pct / max(base.hit_rate_pct, 1e-9):.2f}, "
                          f"TTFT p50 x{ours.ttft_p50_ms / max(base.ttft_p50_ms, 1e-9):.2f}, "
-                         f"output tok/s x{ours.output_tok_s / max(base.output_tok_s, 1e-9):.2f} (prefix_aware / power_of_two)")
+                         f"output tok/s x{ours.output_tok_s / max(base.output_tok_s, 1e-9):.2f} "
+                         "(prefix_aware / power_of_two)")
     return "\n".join(lines)
 
 

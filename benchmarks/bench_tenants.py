@@ -96,7 +96,8 @@ async def flood_and_trickle(base_url: str, model: str, flood_key: str, trickle_k
 def summary(name: str, run: FloodRun) -> dict:
     alone, trickle = statistics.median(run.alone_s), statistics.median(run.trickle_s)
     return {"mode": name, "trickle_alone_p50_ms": round(alone * 1000, 1),
-            "trickle_flood_p50_ms": round(trickle * 1000, 1), "trickle_flood_p90_ms": round(percentile(run.trickle_s, 0.9) * 1000, 1),
+            "trickle_flood_p50_ms": round(trickle * 1000, 1),
+            "trickle_flood_p90_ms": round(percentile(run.trickle_s, 0.9) * 1000, 1),
             "ratio_p50": round(trickle / alone, 2), "flood_p50_ms": round(statistics.median(run.flood_s) * 1000, 1),
             "num_flood_requests": len(run.flood_s), "num_trickle_requests": len(run.trickle_s)}
 

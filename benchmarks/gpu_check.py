@@ -24,11 +24,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs
+
+if TYPE_CHECKING:
+    from engine.loader import CheckpointTensor
 
 log = logging.getLogger("gpu_check")
 ROOT = Path(__file__).resolve().parents[1]

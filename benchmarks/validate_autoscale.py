@@ -281,7 +281,8 @@ def real_summary(run: RealRun, config: SLOConfig, end_s: float) -> dict:
     ttfts = [t for t in run.ttft_s if t is not None]
     return {"requests": len(run.requests), "errors": run.errors, "good_requests": good, "goodput_rps": good / end_s,
             "attainment": good / len(run.requests), "ttft_p90_s": float(np.percentile(ttfts, 90)),
-            "replica_seconds": _integrate(run.replicas, end_s), "mean_replicas": _integrate(run.replicas, end_s) / end_s}
+            "replica_seconds": _integrate(run.replicas, end_s),
+            "mean_replicas": _integrate(run.replicas, end_s) / end_s}
 
 
 def _integrate(points: list[tuple[float, int]], end_s: float) -> float:
