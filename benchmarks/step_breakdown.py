@@ -63,7 +63,8 @@ class LinearClock:
     every path), timed around the module's call: the profiler's self times slow oneDNN's linears unevenly (at a
     lone 256-token prefill it put gate_up at 1.96 ms a call against 0.40 timed this way, down at 0.55 against 0.35,
     qkv and o about as timed), so where a projection runs as a module its time is this clock's, not the profiler's.
-    Projections inside the native layers' one call are not modules there and keep the profiler's split."""
+    Projections inside the native layers' one call are not modules there: a decode step's keep the profiler's split,
+    a lone prefill's are clocked on the layers run as modules (timed_and_profiled's `clock_native`)."""
 
     def __init__(self, model: torch.nn.Module, kinds: dict[tuple[int, int], str]) -> None:
         self.total_s: dict[str, float] = defaultdict(float)
