@@ -6,23 +6,16 @@ from __future__ import annotations
 import pytest
 
 import benchmarks.step_breakdown as step_breakdown
-from engine import EngineConfig, LLMEngine
-from engine.kernels import native_layers_available
-from engine.models.llama import NATIVE_LAYERS_ENV
+from tests.test_native_layers import SHAPE, engine_for, needs_native
 from tests.tiny_models import write_tiny_model
 
 PROJECTIONS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 
 
-@pytest.mark.skipif(not native_layers_available(), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the "
-                                                          "native layers are not built")
+@needs_native
 def test_a_native_prefills_projections_are_clocked_on_the_modules_and_the_layers_stay_native(tmp_path, monkeypatch):
-    # random_prompts draws ids up to 40,000; head_dim 64, the native layers' packed keys
-    write_tiny_model(tmp_path, "llama", seed=3, vocab_size=40000, hidden_size=256, intermediate_size=512,
-                     num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setenv(NATIVE_LAYERS_ENV, "1")
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64, block_size=16,
-                                    max_num_batched_tokens=256, native_linear_max_rows=2048))
+    write_tiny_model(tmp_path, "llama", seed=3, vocab_size=40000, **SHAPE)  # random_prompts draws ids up to 40,000
+    engine = engine_for(tmp_path, monkeypatch, True, max_num_batched_tokens=256)
     model = engine.runner.model
     assert model.native_layers
     native_calls = []
