@@ -73,11 +73,12 @@ def compare(model: str, prompts: list[list[int]], max_tokens: int, threads: int 
 
     def engine(quantization: str | None, budget: int = 2048) -> LLMEngine:
         # No prefix cache: a scored prompt must run through this engine's weights, not hit blocks cached before.
-        # The native bf16 kernel at every step size (where oneDNN would take the larger steps): the reference then
-        # scores its own answers exactly, and int8 differs from it by its weights alone.
+        # The native bf16 kernel at every step size (where oneDNN would take the larger steps) and every row's
+        # attention alone (as its decode had it, not in a prompt's query tiles): the reference then scores its own
+        # answers exactly, and int8 differs from it by its weights alone.
         return LLMEngine(EngineConfig(model=model, enable_prefix_caching=False, num_threads=threads,
                                       quantization=quantization, max_num_batched_tokens=budget,
-                                      native_linear_max_rows=budget), source=source)
+                                      native_linear_max_rows=budget, attention_query_tiles=False), source=source)
 
     reference = engine(None)
     answers = reference.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

@@ -156,6 +156,7 @@ class CpuAttention(TorchAttention):
         self.uses_token_rows = self.packed_keys
         from engine.kernels import cpu_has_amx
         self.sdpa_prefill = self.uses_token_rows and cpu_has_amx()  # context-free prompt chunks by SDPA (forward)
+        self.query_tiles = True  # EngineConfig.attention_query_tiles: prompt rows in the kernel's query tiles
 
     def key_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.packed_keys:
@@ -189,12 +190,14 @@ class CpuAttention(TorchAttention):
                 s, n = chunk.query_start, chunk.query_len
                 if s > start:
                     kernels.paged_decode_attention(out[start:s], q[start:s], k_cache, v_cache,
-                                                   meta.token_block_tables[start:s], seq_lens[start:s], self.scale)
+                                                   meta.token_block_tables[start:s], seq_lens[start:s], self.scale,
+                                                   self.query_tiles)
                 out[s:s + n] = self._prefill(q[s:s + n], k[s:s + n], v[s:s + n], k_cache, v_cache, chunk)
                 start = s + n
             if start < q.shape[0]:
                 kernels.paged_decode_attention(out[start:], q[start:], k_cache, v_cache,
-                                               meta.token_block_tables[start:], seq_lens[start:], self.scale)
+                                               meta.token_block_tables[start:], seq_lens[start:], self.scale,
+                                               self.query_tiles)
             return out
         nd = meta.num_decodes
         if nd:

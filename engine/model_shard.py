@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from engine.attention import select_backend
+from engine.attention import CpuAttention, select_backend
 from engine.config import EngineConfig, ModelArgs
 from engine.cuda_graphs import CudaGraphRunner
 from engine.host_copies import to_device
@@ -41,6 +41,8 @@ class ModelShard:
         backend = select_backend(config.attention_backend, self.device, self.layout.num_heads,
                                  self.layout.num_kv_heads, args.head_dim, config.block_size, self.dtype)
         self.backend, self.attention_backend = backend, backend.name
+        if isinstance(backend, CpuAttention) and not config.attention_query_tiles:
+            backend.query_tiles = backend.sdpa_prefill = False  # every row alone: no tile, no SDPA over a chunk
         with torch.device(self.device):  # parameters born on the GPU: no host copy of a large model
             model = LlamaForCausalLM(args, backend, self.dtype, max_model_len, self.layout, group)
         model.load_weights(weights)

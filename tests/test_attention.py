@@ -167,3 +167,59 @@ def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_sa
     assert not torch.equal(split[long], rows_only[long])  # SDPA's rounding, not the kernel's
     for other in (slice(0, 1), slice(starts[2], None)):  # the rows around it: the native kernel's bits
         assert torch.equal(split[other], rows_only[other])
+
+
+@pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
+                                                                   "keys stay in the plain layout")
+@pytest.mark.parametrize("head_dim, block_size, heads", [(64, 16, (9, 3)), (128, 16, (8, 2)), (64, 32, (4, 4)),
+                                                         (64, 16, (16, 1))])
+def test_prompt_rows_in_query_tiles_match_the_same_rows_one_by_one_and_dense_attention(head_dim, block_size, heads):
+    """Eight or more consecutive rows of one sequence go through the kernel's query tiles (16 query vectors in
+    the lanes of a register, an online softmax); rows in any other order go one by one. Both agree with dense
+    attention. The step mixes a decode, a chunk of 37 after 45 cached tokens, a chunk of 18 after 82 whose
+    sequence shares its first block with the last (a cached prefix): its rows' lengths carry on from the chunk
+    before, but its blocks do not, so it is a run of its own. Last, a chunk of 5: too short for a tile."""
+    from engine import kernels
+
+    torch.manual_seed(0)
+    H, KVH = heads
+    D, BS, dtype = head_dim, block_size, torch.bfloat16
+    pool = 48
+    k_cache = torch.zeros(CpuAttention(H, KVH, D, BS, dtype).key_cache_shape(pool), dtype=dtype)
+    v_cache = torch.zeros(pool, KVH, BS, D, dtype=dtype)
+    lengths, new = [30, 82, 100, 12], [1, 37, 18, 5]
+    free = torch.randperm(pool).tolist()
+    tables = []
+    for n in lengths:
+        tables.append(free[:-(-n // BS)])
+        free = free[-(-n // BS):]
+    tables[2][0] = tables[1][0]  # a shared prefix: the first block of both
+    seqs = [tuple(torch.randn(n, h, D, dtype=dtype) for h in (H, KVH, KVH)) for n in lengths]
+    seqs[2] = (seqs[2][0], torch.cat([seqs[1][1][:BS], seqs[2][1][BS:]]), torch.cat([seqs[1][2][:BS], seqs[2][2][BS:]]))
+
+    def slots(table, positions):
+        return torch.tensor([table[p // BS] * BS + p % BS for p in positions])
+
+    for (_, k, v), table, n in zip(seqs, tables, lengths):
+        kernels.write_kv_cache(k, v, k_cache, v_cache, slots(table, range(n)))
+    rows = [range(n - m, n) for n, m in zip(lengths, new)]
+    width = max(map(len, tables))
+    q = torch.cat([s[0][r.start:r.stop] for s, r in zip(seqs, rows)])
+    block_tables = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i, r in enumerate(rows) for _ in r])
+    lens = torch.tensor([p + 1 for r in rows for p in r])
+
+    def attend(order):
+        out = torch.empty(len(order), H * D, dtype=dtype)
+        kernels.paged_decode_attention(out, q[order].contiguous(), k_cache, v_cache, block_tables[order].contiguous(),
+                                       lens[order].contiguous(), D ** -0.5)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+    tiled = attend(torch.arange(q.shape[0]))
+    one_by_one = attend(torch.arange(q.shape[0]).flip(0))  # descending lengths: no run, every row alone
+    expected = torch.cat([dense_reference(*[t.float() for t in s])[r.start:r.stop] for s, r in zip(seqs, rows)])
+    torch.testing.assert_close(tiled.float(), expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(one_by_one.float(), expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(tiled.float(), one_by_one.float(), atol=2e-2, rtol=2e-2)
+    short = slice(sum(new) - new[3], None)  # the chunk of 5 and the decode went one by one either way
+    assert torch.equal(tiled[short], one_by_one[short]) and torch.equal(tiled[:1], one_by_one[:1])
+    assert not torch.equal(tiled[1:1 + new[1]], one_by_one[1:1 + new[1]])  # the tiles' own rounding

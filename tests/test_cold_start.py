@@ -27,12 +27,15 @@ def test_an_engine_reports_where_its_start_up_went(tmp_path):
 def test_the_kernel_build_is_named_after_its_sources(tmp_path, monkeypatch):
     """Two versions of the sources sharing a machine keep two builds: neither start rebuilds the other's."""
     name = kernels._build_name()
-    for source in kernels.SOURCES:
+    for source in kernels.SOURCES + kernels.HEADERS:
         (tmp_path / source).write_text(f"// {source}")
     monkeypatch.setattr(kernels, "__file__", str(tmp_path / "__init__.py"))
     first = kernels._build_name()
     (tmp_path / kernels.SOURCES[0]).write_text("// changed")
     assert kernels._build_name() != first != name
+    changed = kernels._build_name()
+    (tmp_path / kernels.HEADERS[0]).write_text("// changed too")
+    assert kernels._build_name() != changed
     monkeypatch.undo()
     assert kernels._build_name() == name
 

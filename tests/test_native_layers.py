@@ -146,3 +146,35 @@ def test_fused_elementwise_kernels_against_torch(rows, width):
     assert torch.equal(residual, summed)  # the residual add, in place, rounded once
     apart = ulps_apart(got, want)
     assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+
+
+@needs_native
+@pytest.mark.parametrize("query_tiles", [True, False])
+def test_without_query_tiles_a_prompt_read_from_the_prefix_cache_gets_the_same_bits(tmp_path, monkeypatch,
+                                                                                      query_tiles):
+    """A prompt whose first 64 tokens are in the prefix cache leaves 3 rows to compute: too few for a query tile,
+    so they attend one by one, where the whole prompt in one chunk attended in tiles: other bits. With
+    attention_query_tiles off every row attends alone either way, and the answer is the same to the bit."""
+    write_tiny_model(tmp_path, "llama", seed=5, **SHAPE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    prompt = list(range(3, 70))
+
+    cached = {}
+
+    def answer(engine: LLMEngine, request_id: str, tokens: list[int]) -> list:
+        engine.add_request(request_id, tokens, params)
+        seen = []
+        for _ in range(50):
+            for out in engine.step():
+                seen.extend((token, repr(lp)) for token, lp in zip(out.new_token_ids, out.logprobs))
+                cached[request_id] = out.num_cached_tokens
+            if not engine.has_unfinished():
+                return seen
+        raise AssertionError("the request did not finish in 50 steps")
+
+    cold = answer(engine_for(tmp_path, monkeypatch, True, attention_query_tiles=query_tiles), "cold", prompt)
+    engine = engine_for(tmp_path, monkeypatch, True, attention_query_tiles=query_tiles)
+    answer(engine, "first", prompt[:64] + [7])  # caches the prompt's first 64 tokens: four blocks of 16
+    warm = answer(engine, "warm", prompt)
+    assert len(cold) == len(warm) == 8 and cached == {"cold": 0, "first": 0, "warm": 64}, cached
+    assert (warm == cold) is not query_tiles

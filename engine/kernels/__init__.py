@@ -20,6 +20,7 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
 SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp", "llama_cpu.cpp")
+HEADERS = ("vec_math.h",)  # included by the sources: a change to one is a new build too
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
@@ -27,7 +28,7 @@ def _build_name() -> str:
     """One cached build per set of sources: checkouts of different versions share the cache without rebuilding
     over each other (torch's cache keeps one build per name)."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update((Path(__file__).parent / source).read_bytes())
     return f"tokenline_cpu_kernels_{digest.hexdigest()[:12]}"
 
@@ -139,8 +140,11 @@ def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> None:
-    torch.ops.tokenline.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale)
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           query_tiles: bool = True) -> None:
+    """Attention of token rows over the paged cache, each row causal up to its own length. With packed keys, runs
+    of rows of one sequence go in query tiles unless query_tiles is False."""
+    torch.ops.tokenline.paged_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, scale, query_tiles)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ using RopeFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, 
 using SiluFn = void(at::Tensor&, const at::Tensor&);
 using KvWriteFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
 using AttentionFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, double);
+                         const at::Tensor&, double, bool);
 using LinearFn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
 using LinearInt8Fn = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                           int64_t);
@@ -81,7 +81,7 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin,
                         const c10::List<OptTensor>& params, const at::TensorList k_caches,
                         const at::TensorList v_caches, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t intermediate, double eps, double scale, int64_t int8_max_rows) {
+                        int64_t intermediate, double eps, double scale, int64_t int8_max_rows, bool query_tiles) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(v_caches.size() == k_caches.size(), "llama_layers: one K and one V cache per layer");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kPerLayer + 1,
@@ -111,7 +111,7 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
     at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
     k.write_kv.call(key, value, k_cache, v_cache, slots);
     at::Tensor attended = at::empty({tokens, q_size}, x.options());
-    k.attention.call(attended, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    k.attention.call(attended, q, k_cache, v_cache, block_tables, seq_lens, scale, query_tiles);
     h = linear(attended, layer.linear(kO), hidden, int8_max_rows);
     h = rms_norm(h, layer.norm(1), residual, eps);
     at::Tensor gate_up = linear(h, layer.linear(kGateUp), 2 * intermediate, int8_max_rows);
@@ -127,6 +127,7 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
 TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.def("llama_layers(Tensor(a!) x, Tensor positions, Tensor slots, Tensor block_tables, Tensor seq_lens, "
         "Tensor cos_sin, Tensor?[] params, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, int num_heads, "
-        "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int int8_max_rows) -> Tensor");
+        "int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int int8_max_rows, "
+        "bool query_tiles=True) -> Tensor");
   m.impl("llama_layers", c10::DispatchKey::CPU, &llama_layers);
 }

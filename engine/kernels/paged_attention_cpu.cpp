@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,20 +64,19 @@ void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
-// Runs body(begin, end) over items [0, batch * num_kv_heads) split into ranges of about equal work, a sequence's
-// work being its length plus a fixed cost per item. The rows of a causal prefill grow in length: split by count,
-// the thread given the last rows would do most of the work (3/4 of it on two threads at 256 tokens).
+// Runs body(begin, end) over items [0, costs.size()) split into contiguous ranges of about equal cost. The rows of
+// a causal prefill grow in length: split by count, the thread given the last rows would do most of the work (3/4 of
+// it on two threads at 256 tokens).
 template <typename F>
-void parallel_over_sequences(int64_t batch, int64_t num_kv_heads, const int64_t* seq_lens, const F& body) {
-  constexpr int64_t kItemCost = 16;  // tokens' worth of work per item besides its keys and values
-  const int64_t items = batch * num_kv_heads;
+void parallel_over_costs(const std::vector<int64_t>& costs, const F& body) {
+  const int64_t items = static_cast<int64_t>(costs.size());
   const int64_t parts = std::min<int64_t>(items, 4 * static_cast<int64_t>(at::get_num_threads()));
   if (parts <= 1) {
-    body(0, items);
+    if (items) body(0, items);
     return;
   }
-  std::vector<int64_t> cum(items + 1, 0);  // cum[i]: the work of items before i
-  for (int64_t i = 0; i < items; ++i) cum[i + 1] = cum[i] + std::max<int64_t>(seq_lens[i / num_kv_heads], 0) + kItemCost;
+  std::vector<int64_t> cum(items + 1, 0);  // cum[i]: the cost of items before i
+  for (int64_t i = 0; i < items; ++i) cum[i + 1] = cum[i] + costs[i];
   const int64_t total = cum[items];
   auto start_of = [&](int64_t part) {
     return static_cast<int64_t>(std::lower_bound(cum.begin(), cum.end(), total * part / parts) - cum.begin());
@@ -84,6 +85,17 @@ void parallel_over_sequences(int64_t batch, int64_t num_kv_heads, const int64_t*
     const int64_t begin = std::min(start_of(pb), items), end = pe == parts ? items : std::min(start_of(pe), items);
     if (begin < end) body(begin, end);
   });
+}
+
+constexpr int64_t kItemCost = 16;  // tokens' worth of work per item besides its keys and values
+
+// Items (sequence b, KV head h) = b * num_kv_heads + h, each costing its length plus kItemCost.
+template <typename F>
+void parallel_over_sequences(int64_t batch, int64_t num_kv_heads, const int64_t* seq_lens, const F& body) {
+  std::vector<int64_t> costs(batch * num_kv_heads);
+  for (int64_t i = 0; i < static_cast<int64_t>(costs.size()); ++i)
+    costs[i] = std::max<int64_t>(seq_lens[i / num_kv_heads], 0) + kItemCost;
+  parallel_over_costs(costs, body);
 }
 
 template <typename scalar_t>
@@ -316,8 +328,35 @@ void weighted_values_tiled(const scalar_t* v_cache, const PagedSeq& seq, const K
   }
 }
 
-// Decode attention with head_dim = 16 * NV, vectorised; the next block is prefetched while the current one is
-// read (blocks of a sequence are scattered through the pool).
+// One row's attention for one KV head with head_dim = 16 * NV, vectorised: scores, softmax, weighted values; the
+// next block is prefetched while the current one is read (blocks of a sequence are scattered through the pool).
+template <typename scalar_t, int NV, bool PackedKeys>
+void decode_item(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                 int64_t len, int64_t h, int64_t group, int64_t num_kv_heads, int64_t block_size, double scale,
+                 scalar_t* out_heads, std::vector<float>& scores) {
+  constexpr int64_t head_dim = 16 * NV;
+  const PagedSeq seq{table, len, block_size, h, num_kv_heads};
+  const int64_t row = (seq.len + 15) / 16 * 16;
+  scores.resize(group * row);
+  // Both layouts keep one head's part of a block contiguous, block_size * head_dim values.
+  const int64_t head_part = block_size * head_dim, stride = num_kv_heads * head_part * sizeof(scalar_t);
+  const KVStream kv{reinterpret_cast<const char*>(k_cache + h * head_part),
+                    reinterpret_cast<const char*>(v_cache + h * head_part), stride,
+                    head_part * static_cast<int64_t>(sizeof(scalar_t)), seq.table,
+                    (seq.len + block_size - 1) / block_size};
+  kv.start();
+  if constexpr (PackedKeys) {
+#ifdef __AVX512BF16__
+    packed_key_scores<NV>(q_heads, k_cache, seq, kv, group, static_cast<float>(scale), scores.data(), row);
+#endif
+  } else {
+    plain_key_scores<scalar_t, NV>(q_heads, k_cache, seq, kv, group, static_cast<float>(scale), scores.data(), row);
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_rows(scores.data() + g * row, 1, seq.len);
+  weighted_values_tiled<scalar_t, NV>(v_cache, seq, kv, scores.data(), row, group, out_heads);
+}
+
+// Decode attention: every row on its own, items (row, KV head).
 template <typename scalar_t, int NV, bool PackedKeys>
 void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out, int64_t out_stride,
@@ -329,29 +368,207 @@ void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      const PagedSeq seq{block_tables + b * max_blocks, seq_lens[b], block_size, h, num_kv_heads};
-      const int64_t row = (seq.len + 15) / 16 * 16;
-      scores.resize(group * row);
-      const scalar_t* q_heads = q + b * q_stride + h * group * head_dim;
-      // Both layouts keep one head's part of a block contiguous, block_size * head_dim values.
-      const int64_t head_part = block_size * head_dim, stride = num_kv_heads * head_part * sizeof(scalar_t);
-      const KVStream kv{reinterpret_cast<const char*>(k_cache + h * head_part),
-                        reinterpret_cast<const char*>(v_cache + h * head_part), stride,
-                        head_part * static_cast<int64_t>(sizeof(scalar_t)), seq.table, (seq.len + block_size - 1) / block_size};
-      kv.start();
-      if constexpr (PackedKeys) {
-#ifdef __AVX512BF16__
-        packed_key_scores<NV>(q_heads, k_cache, seq, kv, group, static_cast<float>(scale), scores.data(), row);
-#endif
-      } else {
-        plain_key_scores<scalar_t, NV>(q_heads, k_cache, seq, kv, group, static_cast<float>(scale), scores.data(), row);
-      }
-      for (int64_t g = 0; g < group; ++g) softmax_rows(scores.data() + g * row, 1, seq.len);
-      weighted_values_tiled<scalar_t, NV>(v_cache, seq, kv, scores.data(), row, group,
-                                          out + b * out_stride + h * group * head_dim);
+      decode_item<scalar_t, NV, PackedKeys>(q + b * q_stride + h * group * head_dim, k_cache, v_cache,
+                                            block_tables + b * max_blocks, seq_lens[b], h, group, num_kv_heads,
+                                            block_size, scale, out + b * out_stride + h * group * head_dim, scores);
     }
   });
 }
+
+#ifdef __AVX512BF16__
+// Prefill rows as query tiles. Row by row, a prompt chunk's attention runs both products on one query head at a
+// time, the weighted values as fp32 FMAs on value rows converted per query row: ~230-265 GFLOP/s on two Zen 5
+// cores, a quarter of what vdpbf16ps gives the linears. A tile holds 16 query vectors (a row's head each) in the
+// 16 lanes of a register, so both products are vdpbf16ps with one operand broadcast from memory:
+//   scores: lane q of S[t] += (q_q[2i], q_q[2i+1]) . (k_t[2i], k_t[2i+1]), the key pair broadcast from the packed
+//           key cache as it lies;
+//   values: lane q of O[d] += (p_q[2j], p_q[2j+1]) . (v_2j[d], v_2j+1[d]), the probabilities rounded to bf16 pairs
+//           (as GPU flash attention rounds them) and the value pairs interleaved once per 16-token chunk for every
+//           query vector of the tile.
+// The softmax is online (flash attention's running max and sum per lane), with no horizontal reduction: each
+// chunk's 16 scores per lane are 16 registers.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kMinRun = 8;  // rows of one sequence below this go row by row
+
+struct TileScratch {
+  std::vector<uint32_t> qt;  // [sub-tile][pair][16 lanes]: the tile's query vectors' bf16 pairs, transposed
+  std::vector<uint32_t> vp;  // [token pair][head_dim]: the chunk's value rows interleaved in pairs
+  std::vector<float> o;      // [sub-tile][head_dim][16 lanes], fp32
+  std::vector<float> m, l;   // [sub-tile][16 lanes]: running max and sum
+  std::vector<int32_t> len;  // [sub-tile][16 lanes]: each query vector's causal length
+  std::vector<float> row;    // one query vector's output before rounding
+};
+
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {  // lane q: (bf16(lo[q]), bf16(hi[q])) in one 32-bit word
+  const __m512i l = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+  const __m512i h = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+// One 16-token chunk for one sub-tile of 16 query vectors: scores, online softmax, weighted values.
+template <int NV>
+inline void tile_chunk(const uint32_t* qt, const uint32_t* kb, int64_t bs, const uint32_t* vp, int64_t t0,
+                       __m512 vscale, const int32_t* len, float* m, float* l, float* o) {
+  constexpr int64_t head_dim = 16 * NV, pairs = 8 * NV;
+  __m512 sc[16];
+  for (int t = 0; t < 16; ++t) sc[t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + p * 16);
+    const uint32_t* kp = kb + p * bs;
+    for (int t = 0; t < 16; ++t)
+      sc[t] = _mm512_dpbf16_ps(sc[t], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[t])));
+  }
+  const __m512i lens = _mm512_loadu_si512(len);
+  const __m512 floor = _mm512_set1_ps(-1e30f);
+  __m512 mx = _mm512_loadu_ps(m);
+  const __m512 m_old = mx;
+  __mmask16 valid[16];
+  for (int t = 0; t < 16; ++t) {
+    valid[t] = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(static_cast<int>(t0 + t)));
+    sc[t] = _mm512_mask_mul_ps(floor, valid[t], sc[t], vscale);
+    mx = _mm512_max_ps(mx, sc[t]);
+  }
+  const __m512 alpha = exp512(_mm512_sub_ps(m_old, mx));
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), alpha);
+  for (int t = 0; t < 16; ++t) {
+    sc[t] = _mm512_maskz_mov_ps(valid[t], exp512(_mm512_sub_ps(sc[t], mx)));
+    sum = _mm512_add_ps(sum, sc[t]);
+  }
+  _mm512_storeu_ps(m, mx);
+  _mm512_storeu_ps(l, sum);
+  __m512bh pp[8];
+  for (int j = 0; j < 8; ++j) pp[j] = (__m512bh)bf16_pairs(sc[2 * j], sc[2 * j + 1]);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+    __m512 acc[16];
+    for (int d = 0; d < 16; ++d) acc[d] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + d) * 16), alpha);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t* vj = vp + j * head_dim + d0;
+      for (int d = 0; d < 16; ++d)
+        acc[d] = _mm512_dpbf16_ps(acc[d], pp[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(vj[d])));
+    }
+    for (int d = 0; d < 16; ++d) _mm512_storeu_ps(o + (d0 + d) * 16, acc[d]);
+  }
+}
+
+// Attention of `rows` consecutive rows of one sequence (causal lengths first_len, first_len + 1, ...) for KV head h:
+// the rows' group query heads are the tile's rows * group query vectors, in sub-tiles of 16. table: the last row's
+// block table, which holds every row's keys.
+template <int NV>
+void prefill_tile(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                  const c10::BFloat16* v_cache, const int64_t* table, int64_t first_len, int64_t rows, int64_t h,
+                  int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, c10::BFloat16* out,
+                  int64_t out_stride, TileScratch& s) {
+  constexpr int64_t head_dim = 16 * NV, pairs = 8 * NV;
+  const int64_t nq = rows * group, subs = (nq + 15) / 16;
+  s.qt.resize(subs * pairs * 16);
+  s.len.resize(subs * 16);
+  s.o.assign(subs * head_dim * 16, 0.f);
+  s.m.assign(subs * 16, -1e30f);
+  s.l.assign(subs * 16, 0.f);
+  s.vp.resize(8 * head_dim);
+  s.row.resize(head_dim);
+  for (int64_t lane = 0; lane < subs * 16; ++lane) {  // lanes past nq repeat the last vector; their results are dropped
+    const int64_t v = std::min(lane, nq - 1), r = v / group, g = v % group;
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + r * q_stride + (h * group + g) * head_dim);
+    uint32_t* dst = s.qt.data() + (lane / 16) * pairs * 16 + lane % 16;
+    for (int64_t p = 0; p < pairs; ++p) dst[p * 16] = qp[p];
+    s.len[lane] = static_cast<int32_t>(first_len + r);
+  }
+  const int64_t last_len = first_len + rows - 1;
+  const int64_t block_k = num_kv_heads * pairs * block_size;  // 32-bit words (bf16 pairs) of a block of K
+  const int64_t block_v = num_kv_heads * block_size * head_dim;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t0 = 0; t0 < last_len; t0 += 16) {
+    const int64_t block = table[t0 / block_size], offset = t0 % block_size;
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache) + block * block_k + h * pairs * block_size +
+                         offset;
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache) + block * block_v +
+                         (h * block_size + offset) * head_dim;
+    const int64_t n = std::min<int64_t>(16, last_len - t0);  // tokens past n: zero values (weighted by 0)
+    for (int64_t j = 0; j < 8; ++j) {
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512i lo = 2 * j < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(vb + 2 * j * head_dim + d)))
+                                     : zero;
+        const __m512i hi = 2 * j + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(vb + (2 * j + 1) * head_dim + d)))
+                                         : zero;
+        _mm512_storeu_si512(s.vp.data() + j * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+    for (int64_t sub = 0; sub < subs; ++sub)
+      tile_chunk<NV>(s.qt.data() + sub * pairs * 16, kb, block_size, s.vp.data(), t0, vscale, s.len.data() + sub * 16,
+                     s.m.data() + sub * 16, s.l.data() + sub * 16, s.o.data() + sub * head_dim * 16);
+  }
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t r = v / group, g = v % group, sub = v / 16, lane = v % 16;
+    const float* o = s.o.data() + sub * head_dim * 16 + lane;
+    const float inv = 1.f / s.l[v];
+    for (int64_t d = 0; d < head_dim; ++d) s.row[d] = o[d * 16] * inv;
+    store_row(s.row.data(), out + r * out_stride + (h * group + g) * head_dim, head_dim);
+  }
+}
+
+// Attention over token rows with packed keys: runs of at least kMinRun rows that are consecutive positions of one
+// sequence (each row's causal length one more than the last's, the same blocks) go in tiles of kTileRows rows;
+// every other row (a decode, a short chunk) goes alone, and so does every row without query_tiles (its bits then
+// do not depend on the rows beside it). Rows of two requests that share a prefix but not the chunk's blocks start
+// a new run.
+template <int NV>
+void token_rows_packed(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                       const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
+                       c10::BFloat16* out, int64_t out_stride, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t block_size, int64_t max_blocks, double scale, bool query_tiles) {
+  constexpr int64_t head_dim = 16 * NV;
+  const int64_t group = num_heads / num_kv_heads;
+  auto blocks_of = [&](int64_t len) { return std::min<int64_t>((len + block_size - 1) / block_size, max_blocks); };
+  struct Unit {
+    int64_t row, rows;  // rows == 1: a row alone
+  };
+  std::vector<Unit> units;
+  for (int64_t b = 0; b < batch;) {
+    int64_t e = b + 1;
+    while (query_tiles && e < batch && seq_lens[e] == seq_lens[e - 1] + 1 && seq_lens[e - 1] > 0 &&
+           std::memcmp(block_tables + e * max_blocks, block_tables + (e - 1) * max_blocks,
+                       blocks_of(seq_lens[e]) * sizeof(int64_t)) == 0)
+      ++e;
+    if (e - b >= kMinRun) {
+      for (int64_t r = b; r < e; r += kTileRows) units.push_back({r, std::min(kTileRows, e - r)});
+    } else {
+      for (int64_t r = b; r < e; ++r) units.push_back({r, 1});
+    }
+    b = e;
+  }
+  std::vector<int64_t> costs;
+  costs.reserve(units.size() * num_kv_heads);
+  for (const Unit& u : units) {
+    // A tile does a row's work in about a third of the row kernel's time.
+    const int64_t work = u.rows == 1 ? std::max<int64_t>(seq_lens[u.row], 0)
+                                     : u.rows * (seq_lens[u.row] + u.rows / 2) / 3;
+    for (int64_t h = 0; h < num_kv_heads; ++h) costs.push_back(work + kItemCost);
+  }
+  parallel_over_costs(costs, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    TileScratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const Unit& u = units[item / num_kv_heads];
+      const int64_t h = item % num_kv_heads;
+      if (u.rows == 1) {
+        decode_item<c10::BFloat16, NV, true>(q + u.row * q_stride + h * group * head_dim, k_cache, v_cache,
+                                              block_tables + u.row * max_blocks, seq_lens[u.row], h, group,
+                                              num_kv_heads, block_size, scale,
+                                              out + u.row * out_stride + h * group * head_dim, scores);
+      } else {
+        prefill_tile<NV>(q + u.row * q_stride, q_stride, k_cache, v_cache,
+                         block_tables + (u.row + u.rows - 1) * max_blocks, seq_lens[u.row], u.rows, h, group,
+                         num_kv_heads, block_size, static_cast<float>(scale), out + u.row * out_stride, out_stride,
+                         scratch);
+      }
+    }
+  });
+}
+#endif
 #endif
 
 bool packed_keys_supported(c10::ScalarType dtype, int64_t block_size, int64_t head_dim, int64_t group) {
@@ -369,7 +586,7 @@ bool packed_keys_supported_op(int64_t block_size, int64_t head_dim, int64_t grou
 // out [batch, heads * head_dim] (rows may be strided) <- attention of q [batch, heads, head_dim] (heads contiguous).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, bool query_tiles) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
               "out must be [batch, heads * head_dim]");
@@ -401,11 +618,10 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (packed_keys) {
-            auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4, true>
-                                         : decode_kernel_avx512<scalar_t, 8, true>;
+            auto kernel = head_dim == 64 ? token_rows_packed<4> : token_rows_packed<8>;
             kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                    bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0),
-                   batch, num_heads, num_kv_heads, block_size, bt.size(1), scale);
+                   batch, num_heads, num_kv_heads, block_size, bt.size(1), scale, query_tiles);
             return;
           }
         }
@@ -436,7 +652,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 
 TORCH_LIBRARY(tokenline, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> ()");
+        "Tensor seq_lens, float scale, bool query_tiles=True) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("packed_keys_supported(int block_size, int head_dim, int group) -> bool", &packed_keys_supported_op);
 }

@@ -142,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         return torch.ops.tokenline.llama_layers(
             x, positions, meta.slot_mapping, meta.token_block_tables, meta.token_positions + 1, self.rope.cos_sin,
             self._native_params, k_caches, v_caches, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].mlp.intermediate_size, self.norm.eps, attn.backend.scale, INT8_MAX_ROWS)
+            self.layers[0].mlp.intermediate_size, self.norm.eps, attn.backend.scale, INT8_MAX_ROWS,
+            attn.backend.query_tiles)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
