@@ -6,11 +6,14 @@ turn on the same tensors, best of a few rounds, shows the change itself.
 
     python -m benchmarks.kernel_ab linear --base 5c3b66a --head 7b2d2f8 --threads 1,2 --rows 1,16,32,64,256
     python -m benchmarks.kernel_ab attention --base 5c3b66a --head a23d7d6 --threads 1,2 --batches 32x300,8x1000
+    python -m benchmarks.kernel_ab attention --base eae741d --batches none --prompts 256,2048,320+1728
 
 `linear`: every linear of SmolLM2-135M's 30 decoder layers on random bf16 weights (qkv 576 -> 960, o 576 -> 576,
 gate/up 576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152, fp32 out), at each row count.
 `attention`: 30 layers of decode attention (9 query heads, 3 KV heads, head_dim 64, packed keys, blocks of 16 tokens)
-over BATCHxCONTEXT rows whose blocks lie scattered through a pool of 1,024 blocks per layer.
+over BATCHxCONTEXT rows whose blocks lie scattered through a pool of 1,024 blocks per layer; with `--prompts`,
+30 layers of a prompt chunk's attention (ROWS, or ROWS+CACHED after that many cached tokens: each row causal up to
+its own position), the same pool.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import CFLAGS
+from engine.kernels import CFLAGS, HEADERS
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"linear": "engine/kernels/linear_cpu.cpp", "attention": "engine/kernels/paged_attention_cpu.cpp"}
@@ -47,6 +50,11 @@ def build(kernel: str, revision: str | None, name: str, workdir: Path):
     text = re.sub(r"TORCH_LIBRARY(_FRAGMENT)?\(tokenline,", rf"TORCH_LIBRARY\1({name},", text)
     source = workdir / f"{name}.cpp"
     source.write_text(text)
+    for header in HEADERS:  # the headers it includes, at the same revision (older ones had none)
+        try:
+            (workdir / header).write_text(source_at(f"engine/kernels/{header}", revision))
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            pass
     load(name=name, sources=[str(source)], is_python_module=False, extra_cflags=list(CFLAGS),
          extra_ldflags=["-fopenmp"], build_directory=str(workdir), verbose=False)
     return getattr(torch.ops, name)
@@ -73,17 +81,22 @@ def time_linear(ops, rows: int, rounds: int) -> tuple[float, float]:
     return best_layers, best_head
 
 
-def time_attention(ops, batch: int, context: int, rounds: int) -> float:
-    """Seconds (best of `rounds`) for 30 layers of decode attention over batch x context tokens."""
+def time_attention(ops, batch: int, context: int, rounds: int, prompt: bool = False) -> float:
+    """Seconds (best of `rounds`) for 30 layers of decode attention over batch x context tokens; with `prompt`, of
+    one sequence's chunk of `batch` rows after `context` cached tokens."""
     torch.manual_seed(0)
     pool, heads, kv_heads, dim, block = 1024, 9, 3, 64, 16
-    blocks = -(-context // block)
-    if batch * blocks > pool:
-        raise SystemExit(f"{batch}x{context} needs {batch * blocks} blocks a layer; the pool holds {pool}")
+    blocks = -(-(context + batch) // block) if prompt else -(-context // block)
+    if (1 if prompt else batch) * blocks > pool:
+        raise SystemExit(f"{batch}x{context} needs more blocks a layer than the pool's {pool}")
     caches = [(torch.randn(pool, kv_heads, dim // 2, block, 2).to(torch.bfloat16),
                torch.randn(pool, kv_heads, block, dim).to(torch.bfloat16)) for _ in range(LAYERS)]
-    tables = [torch.randperm(pool)[:batch * blocks].view(batch, blocks).contiguous() for _ in range(LAYERS)]
-    lens = torch.full((batch,), context, dtype=torch.long)
+    if prompt:  # every row reads the sequence's blocks, causal up to its own position
+        tables = [torch.randperm(pool)[:blocks].expand(batch, blocks).contiguous() for _ in range(LAYERS)]
+        lens = torch.arange(context + 1, context + batch + 1)
+    else:
+        tables = [torch.randperm(pool)[:batch * blocks].view(batch, blocks).contiguous() for _ in range(LAYERS)]
+        lens = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, heads, dim).to(torch.bfloat16)
     out = torch.empty(batch, heads * dim, dtype=torch.bfloat16)
     best = float("inf")
@@ -102,7 +115,9 @@ def main() -> None:
     parser.add_argument("--head", default=None, help="git revision of the new version (default: the working tree)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="1,16,32,64,256", help="linear: rows of x")
-    parser.add_argument("--batches", default="32x300,16x300,8x1000", help="attention: BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--batches", default="32x300,16x300,8x1000",
+                        help="attention: BATCHxCONTEXT decodes, comma-separated (none: skip)")
+    parser.add_argument("--prompts", default="", help="attention: ROWS or ROWS+CACHED prompt chunks, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; each reports its best of 5")
     args = parser.parse_args()
 
@@ -120,10 +135,17 @@ def main() -> None:
                              f"LM head {min(r[1] for r in runs) * 1e3:6.2f}" for name, runs in got.items())
                     print(f"threads {threads} rows {rows:4d}: " + "   ".join(cells), flush=True)
             else:
-                for spec in args.batches.split(","):
+                for spec in (b for b in args.batches.split(",") if b and b != "none"):
                     batch, context = (int(v) for v in spec.split("x"))
                     got = _alternate(versions, args.repeats, lambda ops: time_attention(ops, batch, context, 5))
                     print(f"threads {threads} batch {batch} x {context} tokens: " + "   ".join(
+                        f"{name}: {min(runs) * 1e3:7.2f}" for name, runs in got.items()), flush=True)
+                for spec in (p for p in args.prompts.split(",") if p):
+                    rows, _, cached = spec.partition("+")
+                    rows, cached = int(rows), int(cached or 0)
+                    got = _alternate(versions, args.repeats,
+                                     lambda ops: time_attention(ops, rows, cached, 5, prompt=True))
+                    print(f"threads {threads} prompt chunk of {rows} after {cached} cached: " + "   ".join(
                         f"{name}: {min(runs) * 1e3:7.2f}" for name, runs in got.items()), flush=True)
 
 
