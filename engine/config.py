@@ -133,7 +133,7 @@ class EngineConfig:
     # request's tokens the same bits whatever its neighbours and the prefix cache.
     native_linear_max_rows: int | None = None
     # CPU bf16 with packed keys: a prompt chunk's rows (8 or more of one sequence) attend in query tiles, 16 query
-    # heads to a register (1.6-2.1x the row-by-row kernel's rate on Zen 5), or by SDPA where the CPU has AMX. False:
+    # heads to a register (1.6-1.9x the row-by-row kernel's rate on Zen 5), or by SDPA where the CPU has AMX. False:
     # every row alone, as a decode is, so that a row's bits do not depend on how its prompt was chunked or read
     # from the prefix cache (with native_linear_max_rows >= max_num_batched_tokens: batch-invariant bf16 answers).
     attention_query_tiles: bool = True

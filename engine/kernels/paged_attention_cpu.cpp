@@ -377,7 +377,7 @@ void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k
 
 #ifdef __AVX512BF16__
 // Prefill rows as query tiles. Row by row, a prompt chunk's attention runs both products on one query head at a
-// time, the weighted values as fp32 FMAs on value rows converted per query row: ~230-265 GFLOP/s on two Zen 5
+// time, the weighted values as fp32 FMAs on value rows converted per query row: ~230-280 GFLOP/s on two Zen 5
 // cores, a quarter of what vdpbf16ps gives the linears. A tile holds 16 query vectors (a row's head each) in the
 // 16 lanes of a register, so both products are vdpbf16ps with one operand broadcast from memory:
 //   scores: lane q of S[t] += (q_q[2i], q_q[2i+1]) . (k_t[2i], k_t[2i+1]), the key pair broadcast from the packed
