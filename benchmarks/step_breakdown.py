@@ -119,13 +119,15 @@ def timed_and_profiled(engine: LLMEngine, run_once, steps: int,
     first = engine.stats().num_steps
     kinds = linear_kinds(engine.model_args)
     model = engine.runner.model
-    clock = LinearClock(model, kinds)
+    clock_modules = clock_native and getattr(model, "native_layers", False)
+    clock = None if clock_modules else LinearClock(model, kinds)
     try:
         for _ in range(steps):
             run_once()
     finally:
-        clock.remove()
-    if clock_native and getattr(model, "native_layers", False):
+        if clock is not None:
+            clock.remove()
+    if clock_modules:
         clock = LinearClock(model, kinds)
         model.native_layers = False
         try:

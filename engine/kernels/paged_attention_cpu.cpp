@@ -356,8 +356,8 @@ void decode_item(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_
   weighted_values_tiled<scalar_t, NV>(v_cache, seq, kv, scores.data(), row, group, out_heads);
 }
 
-// Decode attention: every row on its own, items (row, KV head).
-template <typename scalar_t, int NV, bool PackedKeys>
+// Attention with plain keys: every row on its own, items (row, KV head). Packed keys: token_rows_packed.
+template <typename scalar_t, int NV>
 void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                           const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out, int64_t out_stride,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
@@ -368,9 +368,9 @@ void decode_kernel_avx512(const scalar_t* q, int64_t q_stride, const scalar_t* k
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      decode_item<scalar_t, NV, PackedKeys>(q + b * q_stride + h * group * head_dim, k_cache, v_cache,
-                                            block_tables + b * max_blocks, seq_lens[b], h, group, num_kv_heads,
-                                            block_size, scale, out + b * out_stride + h * group * head_dim, scores);
+      decode_item<scalar_t, NV, false>(q + b * q_stride + h * group * head_dim, k_cache, v_cache,
+                                       block_tables + b * max_blocks, seq_lens[b], h, group, num_kv_heads, block_size,
+                                       scale, out + b * out_stride + h * group * head_dim, scores);
     }
   });
 }
@@ -626,8 +626,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
           }
         }
 #endif
-        auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4, false>
-                                     : decode_kernel_avx512<scalar_t, 8, false>;
+        auto kernel = head_dim == 64 ? decode_kernel_avx512<scalar_t, 4> : decode_kernel_avx512<scalar_t, 8>;
         kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), batch,
                num_heads, num_kv_heads, block_size, bt.size(1), scale);
