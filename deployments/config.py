@@ -51,6 +51,8 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
                                         "kernel), not gloo"),
     "attention_query_tiles": dict(description="CPU bf16: prompt rows attend in query tiles (faster); false: every "
                                               "row alone, for tokens that do not depend on how steps were composed"),
+    "huge_pages": dict(description="CPU: weights and KV cache rebuilt on 2 MiB transparent huge pages after "
+                                   "loading, where the kernel allows it (Linux 6.1+)"),
     "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
     "quantization": dict(description="CPU: int8 weights beside the bf16 ones for steps of up to 8 rows (half the "
                                      "bytes per decode step at low concurrency, an accuracy cost: README); unset: "

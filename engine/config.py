@@ -140,6 +140,9 @@ class EngineConfig:
     # CPU: "int8" also holds the linears' weights as int8 (one scale per output row) for steps of up to 8 rows: half
     # the bytes a decode step at low concurrency reads, at an accuracy cost (README). None: bf16 weights only.
     quantization: str | None = None
+    # CPU: after loading, the weights' and KV cache's memory is rebuilt on 2 MiB transparent huge pages where the
+    # kernel allows it (engine.huge_pages; Linux 6.1+, THP not "never"): fewer page-table walks a step.
+    huge_pages: bool = True
     num_threads: int | None = None
     # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);
     # None: num_threads for every step.

@@ -13,6 +13,7 @@ from engine.attention import CpuAttention, select_backend
 from engine.config import EngineConfig, ModelArgs
 from engine.cuda_graphs import CudaGraphRunner
 from engine.host_copies import to_device
+from engine.huge_pages import BackgroundCollapse, module_tensors
 from engine.loader import CheckpointTensor
 from engine.models.layers import default_native_max_rows, onednn_prepack_available, select_linear_packing
 from engine.models.llama import LlamaForCausalLM
@@ -24,6 +25,12 @@ from engine.tp_layout import ShardLayout
 log = logging.getLogger(__name__)
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, CheckpointTensor]]
+
+
+def _log_huge_pages(job: BackgroundCollapse) -> None:
+    report = job.report
+    log.info("weights and KV cache: %d of %d %d MiB frames on huge pages in %.2f s%s", report.collapsed,
+             report.frames, report.frame_bytes >> 20, job.seconds, f" ({report.reason})" if report.reason else "")
 
 
 class ModelShard:
@@ -74,6 +81,10 @@ class ModelShard:
         k_shape, v_shape = backend.key_cache_shape(self.num_blocks), backend.kv_cache_shape(self.num_blocks)
         self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(args.num_layers)]
+        self.huge_pages: BackgroundCollapse | None = None
+        if self.device.type == "cpu" and config.huge_pages:
+            tensors = module_tensors(self.model) + [t for pair in self.kv_caches for t in pair]
+            self.huge_pages = BackgroundCollapse(tensors, on_done=_log_huge_pages)
         self.graph_runner = self._capture_graphs()
 
     @property
