@@ -69,8 +69,8 @@ def tensor_frames(tensors: Iterable[torch.Tensor], frame_bytes: int, min_fill: f
     `min_fill` of, each counted once however many tensors share a storage."""
     spans = {}
     for t in tensors:
-        if t is None or t.device.type != "cpu":
-            continue
+        if t is None or t.device.type != "cpu" or t.layout != torch.strided:
+            continue  # oneDNN's opaque tensors (a prepacked weight on a Xeon's AMX path) expose no storage
         storage = t.untyped_storage()
         if storage.nbytes():
             spans[storage.data_ptr()] = storage.nbytes()

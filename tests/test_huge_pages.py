@@ -38,6 +38,8 @@ def test_frames_are_those_the_tensors_fill():
     assert set(inner) <= set(frames) and len(inner) >= 4
     assert tensor_frames([torch.empty(1000)], FRAME) == []  # a small tensor fills no frame
     assert tensor_frames([torch.empty(0), None], FRAME) == []
+    if torch.backends.mkldnn.is_available():  # an opaque tensor (oneDNN's layout) has no storage to ask for
+        assert tensor_frames([torch.randn(1024, 1024).to_mkldnn()], FRAME) == []
 
 
 @needs_thp
