@@ -149,6 +149,7 @@ def main() -> None:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=max(concurrencies),
                                         attention_backend=args.attention_backend), source=source)
         backend = backend or engine.runner.attention_backend
+        engine.settle()  # its memory on huge pages before anything is timed
         run_engine(engine, prompts[:2], 8, dtype)  # warm-up: kernels, allocator
         for c in concurrencies if dtype == args.dtype else [1, max(concurrencies)]:
             runs.append(run_engine(engine, prompts[:c], args.output_len, dtype, args.temperature))

@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_timeline.json"))
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=str(Path(args.model).expanduser()), num_threads=2))
+    engine.settle()
     rng = random.Random(0)
     prompts = [[rng.randrange(300, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.concurrency)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)

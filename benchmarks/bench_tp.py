@@ -69,6 +69,7 @@ def measure(model: str, dtype: str, options: dict, steps: int, seed: int) -> dic
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_kv_blocks=512, max_num_batched_tokens=512,
                                     enable_prefix_caching=False, **options))
     try:
+        engine.settle()
         decode_step_ms(engine, 1, 3, seed)  # warm-up
         return {"decode_b1_ms": decode_step_ms(engine, 1, steps, seed),
                 "decode_b16_ms": decode_step_ms(engine, 16, steps, seed + 1),

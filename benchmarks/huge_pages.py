@@ -81,8 +81,8 @@ def main() -> None:
         engines[huge] = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_num_batched_tokens=320,
                                                num_threads=threads, kv_cache_memory_bytes=args.kv_cache_mib << 20,
                                                huge_pages=huge))
+    engines[True].settle()
     job = engines[True].runner.huge_pages
-    job.join()
     report = job.report
     print(f"huge pages: {report.collapsed} of {report.frames} frames of {report.frame_bytes >> 20} MiB in "
           f"{job.seconds:.2f} s{f' ({report.reason})' if report.reason else ''}", flush=True)

@@ -195,6 +195,7 @@ def main() -> None:
                                     quantization=args.quantization,
                                     native_linear_max_rows=args.native_linear_max_rows),
                        source=load_model_source(args.model))
+    engine.settle()
     results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
     prefill = prefill_breakdown(engine, args.prefill_len, args.prefill_steps, seed=7) if args.prefill_len else None
     linears = linears_described(engine.runner.linear_packing, engine.runner.native_max_rows)

@@ -188,6 +188,7 @@ def main() -> None:
     source = load_model_source(args.model)
     engine = make_engine(args.model, args.dtype, args.threads, args.kv_cache_memory_bytes, args.num_kv_blocks,
                          args.max_num_batched_tokens, args.max_num_seqs, source, args.max_tokens_with_decodes)
+    engine.settle()
     run_workload(engine, SyntheticWorkload(num_requests=2, input_mean=64, output_mean=8).requests())  # warm-up
     samples: list[StepSample] = []
     for workload in CALIBRATION:

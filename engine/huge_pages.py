@@ -149,9 +149,12 @@ class BackgroundCollapse:
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """A module's parameters and buffers, and the tensors its submodules hold as plain attributes (prepacked
-    weights, int8 weights and scales)."""
-    out = [*module.parameters(), *module.buffers()]
+    """The tensors a module's steps read: its parameters and buffers, and the tensors its submodules hold as plain
+    attributes (prepacked weights, int8 weights and scales), less the weights a prepacked copy stands in for."""
+    out: list[torch.Tensor] = []
     for sub in module.modules():
+        packed = getattr(sub, "packed", None) is not None
+        out += [p for name, p in sub.named_parameters(recurse=False) if not (packed and name == "weight")]
+        out += list(sub.buffers(recurse=False))
         out += [v for v in vars(sub).values() if isinstance(v, torch.Tensor)]
     return out

@@ -203,6 +203,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Waits for the work the engine does in the background after it starts (its memory moving to huge pages:
+        engine.huge_pages), which slows its first seconds' steps; benchmarks call it before they time anything.
+        False if it is still going after `timeout_s`."""
+        job = getattr(self.runner, "huge_pages", None)
+        return job is None or job.join(timeout_s)
+
     def step(self) -> list[EngineOutput]:
         """Schedule, run the batch, update the requests from what it sampled, hand out their outputs."""
         outputs = self._step()

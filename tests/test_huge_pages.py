@@ -87,3 +87,7 @@ def test_engine_answers_the_same_on_huge_pages(tmp_path):
     held = {id(t) for t in module_tensors(huge.runner.model)}
     packed = [lin.packed for layer in huge.runner.model.layers for lin in layer.linears() if lin.packed is not None]
     assert packed and all(id(t) in held for t in packed)
+    # ... and the weights they stand in for, which no step reads, are not.
+    superseded = [lin.weight for layer in huge.runner.model.layers for lin in layer.linears() if lin.packed is not None]
+    assert not any(id(t) in held for t in superseded)
+    assert huge.settle(timeout_s=1)
