@@ -74,6 +74,7 @@ def _step_span(pid: int, step, since: float) -> dict[str, Any]:
                      "preempted": step.num_preempted, "kv_usage": round(step.kv_usage, 4),
                      "running": step.num_running, "waiting": step.num_waiting, "finished": step.num_finished,
                      "prefix_cache_hits": step.prefix_cache_hits, "prefix_cache_queries": step.prefix_cache_queries,
+                     "threads": step.num_threads,
                      # where the step's time went (ms): the rest of `dur` is output handling
                      **{f"{phase}_ms": round(getattr(step, f"{phase}_s") * 1e3, 3) for phase in STEP_PHASES}}}
 

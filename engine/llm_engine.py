@@ -76,6 +76,7 @@ class LLMEngine:
         loaded = time.perf_counter()
         self.ranks: RankLauncher | None = None
         self.runner = self._start_runner(config, args, weights, ranks)
+        self._step_threads = 0  # torch threads the last step ran on (SchedulerStats.num_threads)
         self._board = (EngineBoard() if (config.prefill_threads or config.decode_threads) and config.device == "cpu"
                        and config.tensor_parallel_size == 1 else None)
         self._idle_cpus = None
@@ -257,6 +258,7 @@ class LLMEngine:
         wanted = self.config.prefill_threads if prefill_tokens >= PREFILL_BORROW_MIN_TOKENS \
             else self.config.decode_threads
         threads = torch.get_num_threads()
+        self._step_threads = threads if self.config.device == "cpu" else 0
         extra = wanted - threads if wanted and self._idle_cpus is not None else 0
         if extra <= 0 or self._idle_cpus.idle() - threads < extra * BORROW_IDLE_SHARE:
             if self._board is not None:
@@ -265,6 +267,7 @@ class LLMEngine:
             return
         self._board.publish(wanted)
         torch.set_num_threads(wanted)
+        self._step_threads = wanted
         try:
             yield
         finally:
@@ -314,7 +317,7 @@ class LLMEngine:
             prefix_cache_hits=prefix.hits, num_finished=finished + len(sched.expired), num_context_tokens=context_tokens,
             prefill_attention=attention, schedule_s=schedule_s,
             prepare_s=self.runner.times.prepare_s, forward_s=self.runner.times.forward_s,
-            sample_s=self.runner.times.sample_s))
+            sample_s=self.runner.times.sample_s, num_threads=self._step_threads))
 
     def _fail_batch(self, sched: SchedulerOutput, computed: dict[str, int], exc: Exception,
                     stage: str) -> list[EngineOutput]:

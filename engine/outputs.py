@@ -62,6 +62,9 @@ class SchedulerStats:
     prepare_s: float = 0.0  # the batch's input tensors
     forward_s: float = 0.0  # the model, up to the hidden states
     sample_s: float = 0.0  # logits of the rows that sample, and sampling
+    # CPU: torch threads the step ran on (more than num_threads where it borrowed idle CPUs: prefill_threads,
+    # decode_threads); 0 where not counted (a GPU).
+    num_threads: int = 0
 
 
 # The timed phases of a step, each a `<phase>_s` field of SchedulerStats.

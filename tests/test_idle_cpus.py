@@ -142,6 +142,7 @@ def test_long_prefill_runs_on_prefill_threads_only_while_the_other_cpus_are_idle
         seen.clear()
         engine.generate([prompt], params)
         assert seen == expected, (idle, len(prompt))  # the prefill step borrows, the decode step never does
+        assert [s.num_threads for s in list(engine.step_history)[-2:]] == expected  # the step trace says so
         assert torch.get_num_threads() == 1
     assert LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=16, num_threads=1,
                                   prepack_weights=False), source=source)._idle_cpus is None
