@@ -5,16 +5,16 @@ sequence; on 4 KiB pages that is ~66,000 page-table walks a step for the weights
 with 2 MiB pages only where asked (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most
 distributions), and glibc's allocations are not asked. After loading, the engine asks the kernel to rebuild the
 2 MiB frames its large tensors fill on huge pages (MADV_COLLAPSE, Linux 6.1+), from a thread of its own, so that
-the engine serves meanwhile (on a VM whose guest memory is not yet backed, each fresh huge page can cost the host
-milliseconds: 6 s for 1 GiB on our CI machines, 0.1-0.2 s once backed); where the kernel refuses (older, THP off,
-no free huge page) the frames stay as they were and the engine runs as before. Measured here (EPYC, two threads, in process): a decode step at batch 1 and a lone
-256-token prefill each ran 3-5% sooner.
+the engine serves meanwhile (on a VM whose free memory goes back to the host, each fresh huge page costs a host
+fault: 6-10 s for 1 GiB on our CI machines, 0.1-0.2 s where the memory is backed); where the kernel refuses (older,
+THP off, no free huge page) the frames stay as they were and the engine runs as before. Measured on the EPYC, two
+threads, in process (`python -m benchmarks.huge_pages`): decode steps at batch 1 and 32 0.98x the time on 4 KiB
+pages stepped in turn with them, 0.91-0.92x in blocks of a round; a lone 256-token prefill 0.99x.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 import threading
 import time
@@ -22,8 +22,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 MADV_COLLAPSE = 25
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -39,10 +37,6 @@ class HugePageReport:
     collapsed: int = 0  # of them, now on a huge page
     frame_bytes: int = 0
     reason: str = ""  # why none could be, where none was
-
-    @property
-    def collapsed_bytes(self) -> int:
-        return self.collapsed * self.frame_bytes
 
 
 def thp_mode(path: str = THP_ENABLED) -> str | None:

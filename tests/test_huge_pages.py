@@ -10,7 +10,8 @@ from engine.huge_pages import MIN_FILL, collapse, huge_page_size, module_tensors
 from tests.tiny_models import write_tiny_model
 
 FRAME = 2 << 20
-needs_thp = pytest.mark.skipif(thp_mode() in (None, "never"), reason="no transparent huge pages in this kernel")
+needs_thp = pytest.mark.skipif(thp_mode() in (None, "never") or huge_page_size() != FRAME,
+                               reason="no transparent huge pages of 2 MiB in this kernel")
 
 
 def anon_huge_kib(address: int) -> int:
@@ -44,7 +45,6 @@ def test_frames_are_those_the_tensors_fill():
 
 @needs_thp
 def test_collapse_keeps_every_byte_and_uses_huge_pages():
-    assert huge_page_size() == FRAME or huge_page_size() > 0
     t = torch.randn(8 * FRAME // 4)  # 16 MiB of fp32, touched on 4 KiB pages
     before = t.clone()
     report = collapse([t])
@@ -79,7 +79,7 @@ def test_engine_answers_the_same_on_huge_pages(tmp_path):
     huge = LLMEngine(EngineConfig(huge_pages=True, **config))
     job = huge.runner.huge_pages
     assert job is not None and job.join(timeout=120)
-    if thp_mode() not in (None, "never"):
+    if thp_mode() not in (None, "never") and huge_page_size() == FRAME:
         # The KV cache (2048 blocks: 8 MiB a layer here) fills frames of its own.
         assert job.report.frames >= 4 and job.seconds is not None
     assert answers(huge) == answers(plain)
