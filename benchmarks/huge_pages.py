@@ -24,22 +24,15 @@ from engine.config import default_num_threads
 MEASURES = ("prefill_ms", "decode_b1_ms", "decode_b32_ms")
 
 
-def run_until_done(engine: LLMEngine, limit: int = 1000) -> None:
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-
-
-def prefill_ms(engines: list[LLMEngine], prompts, tag: str, repeats: int = 4) -> list[float]:
+def prefill_ms(engines: list[LLMEngine], prompts, repeats: int = 4) -> list[float]:
     """A lone prompt's prefill on each engine in turn, `repeats` times; the median of each engine's times."""
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times: list[list[float]] = [[] for _ in engines]
     for i in range(repeats):
         for k, engine in enumerate(engines):
-            engine.add_request(f"{tag}-p{i}", next(prompts), params)
+            prompt = next(prompts)
             start = time.perf_counter()
-            run_until_done(engine)
+            engine.generate([prompt], params)
             times[k].append((time.perf_counter() - start) * 1000)
     return [statistics.median(t) for t in times]
 
@@ -91,7 +84,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = [True, False] if r % 2 == 0 else [False, True]
         pair, tag = [engines[h] for h in order], f"r{r}"
-        measured = {"prefill_ms": prefill_ms(pair, prompts, tag),
+        measured = {"prefill_ms": prefill_ms(pair, prompts),
                     "decode_b1_ms": decode_ms(pair, prompts, 1, args.output_tokens, tag),
                     "decode_b32_ms": decode_ms(pair, prompts, 32, args.output_tokens, tag)}
         for m, values in measured.items():

@@ -130,7 +130,7 @@ class BackgroundCollapse:
     def _run(self, frames: list[int]) -> None:
         try:  # behind the engine's threads (nice 19, this thread alone): the copies wait while a step runs
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
+        except OSError:
             pass
         run(self.report, frames)
         self.seconds = time.perf_counter() - self.started
