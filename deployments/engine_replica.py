@@ -3,8 +3,8 @@
 A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
 request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
 the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages. A request that names
-its ingress's token channel gets its first chunk through Serve and the rest over the channel, every chunk of a
-step for that ingress in one message (deployments/token_channel.py); its Serve stream ends with a ChannelEnd.
+its ingress's token channel gets every chunk over the channel, every chunk of a step for that ingress in one message
+(deployments/token_channel.py); its Serve stream carries a refusal or a failure, or ends with a ChannelEnd.
 
 Admission: a request is refused at once (503, Retry-After = this replica's backlog: the wait before it could
 start) when, behind what the replica holds, it would finish past ADMIT_WAIT_FRACTION of the time left before its
@@ -92,7 +92,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest
                        ) -> AsyncIterator[list[GenerationChunk] | RequestRejected | ChannelEnd]:
         """Streams lists of chunks (one per choice that advanced), or one RequestRejected for a bad request; with
-        the token channel, the chunks after the first go over it and the stream ends with a ChannelEnd."""
+        the token channel, the chunks go over it and the stream ends with a ChannelEnd."""
         entered = time.monotonic()
         prompts = request.prompts
         num_choices = request.n * len(prompts)
@@ -116,11 +116,10 @@ class EngineReplica:
             choices = [self._choice(request, prompt, i * request.n + j, j, entered)
                        for i, prompt in enumerate(prompts) for j in range(request.n)]
             batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
-            sent = -1  # over the channel; the first batch goes through Serve
+            sent = 0  # messages over the channel
             async for batch in batches:
-                if link is None or sent < 0:
+                if link is None:
                     yield batch
-                    sent = 0
                 else:
                     try:
                         link.send(request.channel_key, batch)

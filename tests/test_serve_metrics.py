@@ -99,8 +99,8 @@ def test_vllm_metric_set_and_http_metrics_are_exported(serve_app):
     assert "length" in reasons
 
 
-def test_streamed_chunks_after_the_first_travel_over_the_token_channel(serve_app):
-    """One message per engine step per replica: a stream's chunks after the first come over the channel."""
+def test_streamed_chunks_travel_over_the_token_channel(serve_app):
+    """One message per engine step per replica: a stream's chunks, the first included, come over the channel."""
     messages = "ray_tokenline_token_channel_messages_total"
     chunks = "ray_tokenline_token_channel_chunks_total"
     before = {name: settled_total(serve_app, name) for name in (messages, chunks)}
@@ -112,5 +112,11 @@ def test_streamed_chunks_after_the_first_travel_over_the_token_channel(serve_app
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     carried = settled_total(serve_app, chunks) - before[chunks]
-    assert 1 <= carried <= 7  # 8 tokens: the first chunk through Serve, the other 7 (merged or not) over the channel
+    assert 1 <= carried <= 8  # 8 tokens (merged or not), none through Serve
     assert 1 <= settled_total(serve_app, messages) - before[messages] <= carried
+    before = settled_total(serve_app, chunks)
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:  # one token: its one chunk is the first
+        with http.stream("POST", "/v1/completions", json={"model": serve_app.model, "prompt": "Count: 1, 2,",
+                                                          "max_tokens": 1, "stream": True}) as r:
+            assert r.status_code == 200 and sum(1 for line in r.iter_lines() if line.startswith("data: {")) == 1
+    assert settled_total(serve_app, chunks) - before == 1

@@ -58,7 +58,7 @@ def open_stream(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStrea
 
 
 async def past_the_first_item(server: ChannelServer) -> tuple[ChannelledStream, FakeServeStream, int]:
-    """A stream whose first item (through Serve, as always) has been read."""
+    """A stream whose first item, through Serve (a replica without the channel), has been read."""
     stream, serve_stream, key = open_stream(server)
     serve_stream.items.put_nowait("first")
     assert await stream.__anext__() == "first"
@@ -69,15 +69,12 @@ async def read_all(stream: ChannelledStream) -> list:
     return [item async for item in stream]
 
 
-def test_chunks_after_the_first_come_over_the_channel_in_order_and_the_stream_then_ends():
+def test_every_chunk_comes_over_the_channel_in_order_and_the_stream_then_ends():
     async def body(server, links):
         streams = [open_stream(server) for _ in range(3)]
         link = await links.link(server.address)
         assert link is not None
-        readers = []
-        for stream, serve_stream, _ in streams:
-            serve_stream.items.put_nowait("first")
-            readers.append(asyncio.create_task(read_all(stream)))
+        readers = [asyncio.create_task(read_all(stream)) for stream, _, _ in streams]
         for step in range(5):  # one engine step: a chunk for each of the three requests, in one loop turn
             for _, _, key in streams:
                 link.send(key, f"step {step}")
@@ -86,8 +83,27 @@ def test_chunks_after_the_first_come_over_the_channel_in_order_and_the_stream_th
             serve_stream.items.put_nowait(ChannelEnd(5))
             serve_stream.items.put_nowait(StopAsyncIteration())  # Serve's stream ends after the ChannelEnd
         results = await asyncio.wait_for(asyncio.gather(*readers), 5)
-        assert results == [["first"] + [f"step {i}" for i in range(5)]] * 3
+        assert results == [[f"step {i}" for i in range(5)]] * 3
         assert server.num_messages == 5  # three requests' chunks of a step in one message
+        assert server.num_streams == 0
+
+    run_with_channel(body)
+
+
+def test_the_first_chunk_does_not_wait_for_serve_and_a_refusal_through_serve_comes_first():
+    async def body(server, links):
+        stream, serve_stream, key = open_stream(server)
+        link = await links.link(server.address)
+        link.send(key, "first token")
+        # Serve's stream has said nothing yet (it speaks only at the end): the chunk is read all the same.
+        assert await asyncio.wait_for(stream.__anext__(), 5) == "first token"
+        assert not serve_stream.cancelled
+        stream.cancel()
+
+        refused, refused_serve, _ = open_stream(server)
+        refused_serve.items.put_nowait("refused: the queue is full")
+        refused_serve.items.put_nowait(StopAsyncIteration())
+        assert await asyncio.wait_for(read_all(refused), 5) == ["refused: the queue is full"]
         assert server.num_streams == 0
 
     run_with_channel(body)
