@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -36,7 +37,7 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
 from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ProfileResult,
                                  ReplicaStats, ReplicaSteps, RequestRejected)
-from deployments.token_channel import ChannelBroken, ChannelEnd, ChannelLinks
+from deployments.token_channel import ChannelEnd, ChannelLinks, relay
 from deployments.tp_ranks import RayRanks
 from engine import AsyncEngine, EngineOutput, InvalidRequestError, LLMEngine
 from engine.failures import FailureKind, RequestFailure
@@ -116,23 +117,10 @@ class EngineReplica:
             choices = [self._choice(request, prompt, i * request.n + j, j, entered)
                        for i, prompt in enumerate(prompts) for j in range(request.n)]
             batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
-            sent = 0  # messages over the channel
-            async for batch in batches:
-                if link is None:
-                    yield batch
-                else:
-                    try:
-                        link.send(request.channel_key, batch)
-                    except ChannelBroken as exc:
-                        log.warning("request %s: %s", request.request_id, exc)
-                        yield RequestRejected("the engine replica lost its connection to the ingress",
-                                              code="token_channel_lost", status=500)
-                        return
-                    sent += 1
-                if self.stream_interval_s:
-                    await asyncio.sleep(self.stream_interval_s)
-            if sent > 0:
-                yield ChannelEnd(sent)
+            lost = functools.partial(RequestRejected, "the engine replica lost its connection to the ingress",
+                                     code="token_channel_lost", status=500)
+            async for item in relay(batches, link, request.channel_key, lost, self.stream_interval_s):
+                yield item
         except ChoiceFailed as exc:
             failure = exc.failure
             yield RequestRejected(failure.message, failure.param, failure.code, FAILURE_STATUS[failure.kind])

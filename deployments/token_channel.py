@@ -25,7 +25,7 @@ import logging
 import os
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,6 +258,32 @@ class _Link:
         self.broken = True
         if self._writer is not None:
             self._writer.close()
+
+
+async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost: Callable[[], Any],
+                interval_s: float = 0.0) -> AsyncIterator[Any]:
+    """An engine replica's side of one request: each batch goes over `link` under `key`, and what must go through
+    the request's Serve stream comes out: every batch where there is no link or it broke before the first was sent
+    (nothing is lost then), `lost()` and the end where it broke later (what it carried may be lost), and a
+    `ChannelEnd` with the number of messages it carried. At most one batch every `interval_s`."""
+    sent = 0
+    async for batch in batches:
+        if link is not None:
+            try:
+                link.send(key, batch)
+                sent += 1
+            except ChannelBroken as exc:
+                log.warning("token channel message %d: %s", sent + 1, exc)
+                if sent:
+                    yield lost()
+                    return
+                link = None
+        if link is None:
+            yield batch
+        if interval_s:
+            await asyncio.sleep(interval_s)
+    if sent:
+        yield ChannelEnd(sent)
 
 
 class ChannelLinks:

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from deployments.token_channel import (ChannelAddress, ChannelBroken, ChannelEnd, ChannelLinks, ChannelServer,
-                                       ChannelledStream)
+                                       ChannelledStream, relay)
 
 
 class FakeServeStream:
@@ -173,5 +173,42 @@ def test_an_unreachable_ingress_means_no_link():
         await server.close()
         assert await links.link(address) is None
         assert await links.link(address) is None  # remembered, not retried at once
+
+    run_with_channel(body)
+
+
+async def batches_of(items: list):
+    for item in items:
+        yield item
+
+
+def test_relay_sends_every_batch_over_a_link_and_falls_back_to_serve_only_before_the_first():
+    async def body(server, links):
+        def lost():
+            return "lost"
+
+        # A working link: everything over the channel, the Serve stream carries only the count.
+        stream, _, key = open_stream(server)
+        link = await links.link(server.address)
+        through_serve = [item async for item in relay(batches_of(["a", "b", "c"]), link, key, lost)]
+        assert through_serve == [ChannelEnd(3)]
+        reader = asyncio.create_task(stream.__anext__())
+        assert await asyncio.wait_for(reader, 5) == "a"
+        stream.cancel()
+        # No link: everything through Serve, and no ChannelEnd.
+        assert [item async for item in relay(batches_of(["a", "b"]), None, 0, lost)] == ["a", "b"]
+        # A link that broke before the first batch: nothing was lost, so the stream goes through Serve whole.
+        link.close()
+        assert [item async for item in relay(batches_of(["a", "b"]), link, key, lost)] == ["a", "b"]
+        # One that breaks after a batch went over it: that batch may be lost, so the stream ends as a failure.
+        link = await links.link(server.address)
+        assert link is not None and not link.broken
+
+        async def breaking():
+            yield "a"
+            link.close()
+            yield "b"
+            yield "c"
+        assert [item async for item in relay(breaking(), link, key, lost)] == ["lost"]
 
     run_with_channel(body)
