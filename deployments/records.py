@@ -39,7 +39,7 @@ class EngineTimeline:
 
     replica_id: str
     events: list[tuple[float, int, int]]  # (offset_s, engine.request.EventKind, value), in order
-    first_chunk_s: float  # the replica handed its first chunk of this choice to Serve
+    first_chunk_s: float  # the replica handed its first chunk of this choice on (to the token channel or Serve)
     end_s: float  # ... and its final one
     num_decode_steps: int
     num_preemptions: int

@@ -273,7 +273,7 @@ async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost:
                 link.send(key, batch)
                 sent += 1
             except ChannelBroken as exc:
-                log.warning("token channel message %d: %s", sent + 1, exc)
+                log.warning("token channel, stream %d, message %d: %s", key, sent + 1, exc)
                 if sent:
                     yield lost()
                     return
