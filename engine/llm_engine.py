@@ -208,7 +208,7 @@ class LLMEngine:
         """Waits for the work the engine does in the background after it starts (its memory moving to huge pages:
         engine.huge_pages), which slows its first seconds' steps; benchmarks call it before they time anything.
         False if it is still going after `timeout_s`."""
-        job = getattr(self.runner, "huge_pages", None)
+        job = self.runner.huge_pages
         return job is None or job.join(timeout_s)
 
     def step(self) -> list[EngineOutput]:
