@@ -143,6 +143,12 @@ class EngineConfig:
     # CPU: after loading, the weights' and KV cache's memory is rebuilt on 2 MiB transparent huge pages where the
     # kernel allows it (engine.huge_pages; Linux 6.1+, THP not "never"): fewer page-table walks a step.
     huge_pages: bool = True
+    # CPU, native kernel: the packed linear weights live in one file in shared memory that every engine replica of
+    # the model on the node maps (engine.shared_weights): one copy in RAM and in the shared L3 cache instead of one a
+    # replica. False: each engine keeps its own copy.
+    share_weights: bool = True
+    # Where that file lives; None: /dev/shm where it is writable (else each engine keeps its own copy).
+    shared_weights_dir: str | None = None
     num_threads: int | None = None
     # CPU: torch threads for a step with a long prefill while this process's other CPUs sit idle (engine.idle_cpus);
     # None: num_threads for every step.

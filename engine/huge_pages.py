@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ THP_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 # A frame is collapsed only where tensors fill at least this share of it: collapsing makes every page of the frame
 # resident, so a frame mostly outside them would cost memory for nothing.
 MIN_FILL = 0.5
+COLLAPSE_TRIES = 5
 
 
 @dataclass
@@ -98,6 +100,20 @@ def plan(tensors: Iterable[torch.Tensor]) -> tuple[HugePageReport, list[int]]:
     return report, frames
 
 
+def _collapse_frame(libc, frame: int, frame_bytes: int) -> int:
+    """MADV_COLLAPSE on one frame: 0, or the errno of its last try. EINVAL: not within one mapping (or a kernel
+    before 6.1); ENOMEM: no free huge page; EAGAIN: a page of it was busy, as when engines in two processes collapse
+    the one shared copy of their weights (engine.shared_weights) at once: tried again a little later."""
+    for attempt in range(COLLAPSE_TRIES):
+        if libc.madvise(frame, frame_bytes, MADV_COLLAPSE) == 0:
+            return 0
+        code = ctypes.get_errno()
+        if code != errno.EAGAIN:
+            return code
+        time.sleep(0.01 * (attempt + 1))
+    return errno.EAGAIN
+
+
 def run(report: HugePageReport, frames: list[int]) -> HugePageReport:
     frame_bytes = report.frame_bytes
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -105,11 +121,11 @@ def run(report: HugePageReport, frames: list[int]) -> HugePageReport:
     libc.madvise.restype = ctypes.c_int
     errors: dict[int, int] = {}
     for frame in frames:
-        if libc.madvise(frame, frame_bytes, MADV_COLLAPSE) == 0:
+        code = _collapse_frame(libc, frame, frame_bytes)
+        if code == 0:
             report.collapsed += 1
-            continue
-        code = ctypes.get_errno()  # EINVAL: not one anonymous mapping (or a kernel before 6.1); ENOMEM: no page
-        errors[code] = errors.get(code, 0) + 1
+        else:
+            errors[code] = errors.get(code, 0) + 1
     if errors:
         report.reason = ", ".join(f"{n} frame(s): {os.strerror(code)}" for code, n in sorted(errors.items()))
     return report

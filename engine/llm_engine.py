@@ -147,9 +147,10 @@ class LLMEngine:
         return group.failure
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do on one device)."""
+        """Lets go of the node's shared weights and stops the other tensor-parallel ranks."""
         if self._board is not None:
             self._board.close()
+        self.runner.release_weights()
         group = self.runner.group
         if group is None or self.ranks is None:
             return

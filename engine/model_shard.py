@@ -17,6 +17,7 @@ from engine.huge_pages import BackgroundCollapse, module_tensors
 from engine.loader import CheckpointTensor
 from engine.models.layers import default_native_max_rows, onednn_prepack_available, select_linear_packing
 from engine.models.llama import LlamaForCausalLM
+from engine.shared_weights import SharedWeights, default_dir, share_packed_weights
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import PROMPT_LOGPROBS_ROWS, StepInputs
 from engine.tp_group import TensorParallelGroup
@@ -60,6 +61,9 @@ class ModelShard:
                                                     config.quantization)
         if self.linear_packing:
             self.model.prepack_linears(self.linear_packing)
+        self.shared_weights: SharedWeights | None = None
+        if self.linear_packing in ("native", "native-int8") and config.share_weights:
+            self.shared_weights = self._share_weights(config.shared_weights_dir or default_dir())
         self.native_max_rows: int | None = None  # larger steps run oneDNN's linears (AMX where the CPU has it)
         if self.linear_packing in ("native", "native-int8") and onednn_prepack_available():
             self.native_max_rows = config.native_linear_max_rows
@@ -86,6 +90,24 @@ class ModelShard:
             tensors = module_tensors(self.model) + [t for pair in self.kv_caches for t in pair]
             self.huge_pages = BackgroundCollapse(tensors, on_done=_log_huge_pages)
         self.graph_runner = self._capture_graphs()
+
+    def _share_weights(self, directory: str | None) -> SharedWeights | None:
+        if directory is None:
+            log.info("packed weights: private to this engine (no writable /dev/shm; set engine.shared_weights_dir)")
+            return None
+        shared, report = share_packed_weights(self.model, directory)
+        if shared is None:
+            log.warning("packed weights: private to this engine (%s)", report.reason)
+        else:
+            log.info("packed weights: %d MiB %s %s in %.2f s", report.bytes >> 20,
+                     "written to" if report.created else "shared from", report.path, report.seconds)
+        return shared
+
+    def release_weights(self) -> None:
+        """Lets go of the node's shared copy of the weights (unlinking it where this engine held it last); the
+        mapping stays valid while this engine's tensors are alive."""
+        if self.shared_weights is not None:
+            self.shared_weights.release()
 
     @property
     def kv_bytes_per_block(self) -> int:

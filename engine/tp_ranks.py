@@ -75,6 +75,7 @@ def run_rank(spec: RankSpec) -> None:
                 break
             if not isinstance(message, int):
                 shard.run(message)
+        shard.release_weights()
     except BaseException as exc:
         group.report_failure(exc)
         raise
