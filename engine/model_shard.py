@@ -97,7 +97,8 @@ class ModelShard:
             return None
         shared, report = share_packed_weights(self.model, directory)
         if shared is None:
-            log.warning("packed weights: private to this engine (%s)", report.reason)
+            log.warning("packed weights: private to this engine (%s); with room in engine.shared_weights_dir the "
+                        "node's engines of this model would hold one copy", report.reason)
         else:
             log.info("packed weights: %d MiB %s %s in %.2f s", report.bytes >> 20,
                      "written to" if report.created else "shared from", report.path, report.seconds)

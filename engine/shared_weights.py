@@ -1,14 +1,14 @@
 """One copy of the packed linear weights for every CPU engine on a node.
 
 Each engine replica packs its linears' weights for the native kernel (engine.models.layers.Linear.prepack), and a
-decode step streams all of them from memory: 270 MB of bf16 for SmolLM2-135M. Two replicas on one node each held
-their own copy, so while both decoded they streamed two copies through the machine's one memory bus and its one
-last-level cache. Here the first replica to pack a model writes the packed tensors to a file in shared memory
-(/dev/shm) and every replica on the node, itself included, maps that file and drops its private copy: one copy in
-RAM, and a replica whose step trails another's by a few layers finds those layers still in the shared L3 cache
-(the two fall into step with each other). Measured on the EPYC (2 cores, 32 MiB L3; `python -m
-benchmarks.shared_weights`): two 1-thread processes each streaming a model's linears at 1 / 4 / 16 rows took 0.72x
-/ 0.83x / 0.80x the time a step with one copy as with two.
+decode step streams all of them from memory: 256 MiB for SmolLM2-135M in bf16. Replicas on one node (`make serve`
+runs one per CPU) each held their own copy. Here the first replica to pack a model writes the packed tensors to a
+file in shared memory (/dev/shm) and every replica of the model on the node, itself included, maps that file and
+drops its private copy: one copy in RAM however many replicas, each replica's proportional share of memory (PSS)
+256 MiB / N instead of 256 MiB. Measured on the EPYC (`python -m benchmarks.shared_weights`: two 1-thread engines
+decoding at once): PSS 1,284 against 1,358 MiB a process; decode steps at 1 / 4 / 16 rows 1.05x / 0.96x / 1.00x the
+time with a copy each, the shared copy's steps steady where the private copies' swung between rounds (8.3-11.7 ms
+at one row against 8.9-9.2), and through `make serve` level within noise (README).
 
 The file is named by the SHA-256 of the packed bytes, so a replica maps only a file whose contents are exactly what
 it packed itself. Every replica holds a shared lock (flock) on the file it maps; the last one to let go unlinks it.
@@ -276,6 +276,15 @@ def _map(fd: int, entries: list[dict]) -> list[torch.Tensor]:
     return views
 
 
+def _trim_heap() -> None:
+    """Hands the private copies' memory back to the system: glibc keeps freed blocks of its heap (most packed
+    tensors are below its mmap threshold) until asked."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def share_packed_weights(model: nn.Module, directory: str | Path) -> tuple[SharedWeights | None, ShareReport]:
     """Moves the model's natively packed linear weights onto the node's shared copy (writing it where this is the
     first engine of the model on the node). Returns the handle to keep (None where they stayed private) and a
@@ -314,5 +323,7 @@ def share_packed_weights(model: nn.Module, directory: str | Path) -> tuple[Share
     modules = dict(model.named_modules())
     for (name, field, _), view in zip(tensors, views):
         setattr(modules[name], field, view)
+    del tensors
+    _trim_heap()
     report.seconds = time.perf_counter() - start
     return SharedWeights(fd, path, report), report
