@@ -144,8 +144,8 @@ class EngineConfig:
     # kernel allows it (engine.huge_pages; Linux 6.1+, THP not "never"): fewer page-table walks a step.
     huge_pages: bool = True
     # CPU, native kernel: the packed linear weights live in one file in shared memory that every engine replica of
-    # the model on the node maps (engine.shared_weights): one copy in RAM and in the shared L3 cache instead of one a
-    # replica. False: each engine keeps its own copy.
+    # the model on the node maps (engine.shared_weights): one copy in RAM instead of one a replica. False: each
+    # engine keeps its own copy.
     share_weights: bool = True
     # Where that file lives; None: /dev/shm where it is writable (else each engine keeps its own copy).
     shared_weights_dir: str | None = None

@@ -17,8 +17,8 @@ from engine.huge_pages import BackgroundCollapse, module_tensors
 from engine.loader import CheckpointTensor
 from engine.models.layers import default_native_max_rows, onednn_prepack_available, select_linear_packing
 from engine.models.llama import LlamaForCausalLM
-from engine.shared_weights import SharedWeights, default_dir, share_packed_weights
 from engine.scheduler import ScheduledRequest
+from engine.shared_weights import SharedWeights, default_dir, share_packed_weights
 from engine.step_inputs import PROMPT_LOGPROBS_ROWS, StepInputs
 from engine.tp_group import TensorParallelGroup
 from engine.tp_layout import ShardLayout

@@ -154,3 +154,14 @@ def test_weights_stay_private_where_the_directory_cannot_hold_them(model, tmp_pa
         engine = LLMEngine(config(model, tmp_path))
         assert engine.runner.shared_weights is None and answers(engine) == expected
         assert bad.exists()
+
+
+def test_int8_weights_are_shared_too(model, tmp_path):
+    own = LLMEngine(config(model, None, quantization="int8"))
+    first, second = (LLMEngine(config(model, tmp_path, quantization="int8")) for _ in range(2))
+    assert not second.runner.shared_weights.report.created
+    assert {field for _, field, _ in packed_tensors(second.runner.model)} == {"packed", "packed_int8", "scales"}
+    assert answers(first) == answers(own) == answers(second)
+    first.close()
+    second.close()
+    assert files(tmp_path) == []
