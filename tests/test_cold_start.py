@@ -40,6 +40,18 @@ def test_the_kernel_build_is_named_after_its_sources(tmp_path, monkeypatch):
     assert kernels._build_name() == name
 
 
+def test_one_version_in_two_folders_keeps_two_builds(tmp_path, monkeypatch):
+    """torch's build file names the sources by path: a shared name would rebuild on every switch of checkout."""
+    names = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for source in kernels.SOURCES + kernels.HEADERS:
+            (tmp_path / folder / source).write_text(f"// {source}")
+        monkeypatch.setattr(kernels, "__file__", str(tmp_path / folder / "__init__.py"))
+        names.append(kernels._build_name())
+    assert names[0] != names[1]
+
+
 @pytest.mark.slow
 def test_a_gguf_model_is_dequantized_once_and_read_back_equal(smollm2_path, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENLINE_CACHE", str(tmp_path))

@@ -25,9 +25,11 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
 def _build_name() -> str:
-    """One cached build per set of sources: checkouts of different versions share the cache without rebuilding
-    over each other (torch's cache keeps one build per name)."""
+    """One cached build per set of sources and checkout: checkouts of different versions, or of one version in two
+    folders, share the cache without rebuilding over each other (torch's cache keeps one build per name, and its
+    build file names the sources by path, so a second folder's start rebuilt the first's: 20-30 s)."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    digest.update(str(Path(__file__).resolve().parent).encode())
     for source in SOURCES + HEADERS:
         digest.update((Path(__file__).parent / source).read_bytes())
     return f"tokenline_cpu_kernels_{digest.hexdigest()[:12]}"
@@ -49,7 +51,7 @@ BUILT_AFTER_S = 5.0  # a load that took longer compiled the kernels (loading a c
 
 
 def cpu_kernels_available() -> bool:
-    """Builds (once per machine, ~30 s) and loads the CPU kernels; False if that is not possible here."""
+    """Builds (once per machine and checkout, ~30 s) and loads the CPU kernels; False if that is not possible here."""
     with _lock:
         if "cpu" not in _state:
             started = time.perf_counter()
@@ -86,7 +88,7 @@ def _load() -> bool:
         build_dir = Path(_get_build_directory(name, verbose=False))
         _remove_stale_lock(build_dir / "lock")
         if not any(build_dir.glob("*.so")):
-            log.info("compiling the native CPU kernels: once per machine and version, about 30 s (cached in %s)",
+            log.info("compiling the native CPU kernels: once per machine, version and checkout, about 30 s (cached in %s)",
                      build_dir)
         start = time.perf_counter()
         here = Path(__file__).parent
