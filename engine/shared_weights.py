@@ -5,7 +5,7 @@ decode step streams all of them from memory: 256 MiB for SmolLM2-135M in bf16. R
 runs one per CPU) each held their own copy. Here the first replica to pack a model writes the packed tensors to a
 file in shared memory (/dev/shm) and every replica of the model on the node, itself included, maps that file and
 drops its private copy: one copy in RAM however many replicas, each replica's proportional share of memory (PSS)
-256 MiB / N instead of 256 MiB. Measured on the EPYC (`python -m benchmarks.shared_weights`: two 1-thread engines
+256 MiB / N instead of 256 MiB. Measured on the EPYC (`python -m benchmarks.shared_weights --rounds 3`: two engines
 decoding at once): PSS 1,284 against 1,358 MiB a process; decode steps at 1 / 4 / 16 rows 1.05x / 0.96x / 1.00x the
 time with a copy each, the shared copy's steps steady where the private copies' swung between rounds (8.3-11.7 ms
 at one row against 8.9-9.2), and through `make serve` level within noise (README).
@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -95,10 +96,19 @@ def _index(tensors: list[tuple[str, str, torch.Tensor]]) -> tuple[list[dict], in
     return entries, offset
 
 
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def _data_start(index_len: int) -> int:
+    """Where the tensors start: past the header and index, on the next 2 MiB boundary."""
+    return -(-(HEADER.size + index_len) // DATA_ALIGN) * DATA_ALIGN
+
+
 def _key(entries: list[dict], tensors: list[tuple[str, str, torch.Tensor]]) -> str:
     digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode())
     for _, _, t in tensors:
-        digest.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        digest.update(_raw(t))
     return digest.hexdigest()[:32]
 
 
@@ -184,10 +194,6 @@ class SharedWeights:
     def release(self) -> None:
         self._finalizer()
 
-    @property
-    def released(self) -> bool:
-        return not self._finalizer.alive
-
 
 def _write(directory: Path, path: Path, entries: list[dict], data_bytes: int,
            tensors: list[tuple[str, str, torch.Tensor]]) -> int:
@@ -195,7 +201,7 @@ def _write(directory: Path, path: Path, entries: list[dict], data_bytes: int,
     Returns the open, locked descriptor."""
     index = json.dumps({"tensors": entries}).encode()
     head = HEADER.pack(MAGIC, len(index)) + index
-    data_start = -(-len(head) // DATA_ALIGN) * DATA_ALIGN
+    data_start = _data_start(len(index))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{PREFIX}")
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -203,7 +209,7 @@ def _write(directory: Path, path: Path, entries: list[dict], data_bytes: int,
             f.write(head + bytes(data_start - len(head)))
             for entry, (_, _, t) in zip(entries, tensors):
                 f.seek(data_start + entry["offset"])
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                f.write(_raw(t))
             f.truncate(data_start + data_bytes)
         os.fchmod(fd, 0o644)
         os.rename(tmp, path)
@@ -217,26 +223,21 @@ def _write(directory: Path, path: Path, entries: list[dict], data_bytes: int,
     return fd
 
 
-_libc = None
-
-
-def _mmap_fn():
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.restype = ctypes.c_int
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = libc
-    return _libc
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def _map_aligned(fd: int, size: int) -> ctypes.Array:
     """The whole file mapped read-only and shared at an address on a 2 MiB boundary, so that the kernel can map its
     2 MiB-aligned frames on huge pages (engine.huge_pages; Python's mmap picks page-aligned addresses only). The
     mapping goes when the last tensor viewing it does."""
-    libc = _mmap_fn()
+    libc = _libc()
     failed = ctypes.c_void_p(-1).value
     base = libc.mmap(None, size + DATA_ALIGN, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, failed):
@@ -261,7 +262,7 @@ def _map(fd: int, entries: list[dict]) -> list[torch.Tensor]:
     head = os.pread(fd, HEADER.size, 0)
     magic, index_len = HEADER.unpack(head) if len(head) == HEADER.size else (b"", 0)
     found = json.loads(os.pread(fd, index_len, HEADER.size))["tensors"] if magic == MAGIC else None
-    data_start = -(-(HEADER.size + index_len) // DATA_ALIGN) * DATA_ALIGN
+    data_start = _data_start(index_len)
     if found != entries or data_start + entries[-1]["offset"] + entries[-1]["nbytes"] > size:
         raise ValueError("its index does not match this model's packed weights")
     buffer = _map_aligned(fd, size)
@@ -280,7 +281,7 @@ def _trim_heap() -> None:
     """Hands the private copies' memory back to the system: glibc keeps freed blocks of its heap (most packed
     tensors are below its mmap threshold) until asked."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
 

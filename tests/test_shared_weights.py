@@ -4,6 +4,7 @@ unlinks it; a file left by a process that died is swept by the next engine; wher
 the engine keeps its own copy."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -149,7 +150,6 @@ def test_weights_stay_private_where_the_directory_cannot_hold_them(model, tmp_pa
     bad = tmp_path / f"{PREFIX}{_key(entries, tensors)}{SUFFIX}"
     bad.write_bytes(b"TLWEIGHT" + bytes(4096))
     with open(bad, "rb") as held:  # as another engine holding it would
-        import fcntl
         fcntl.flock(held, fcntl.LOCK_SH)
         engine = LLMEngine(config(model, tmp_path))
         assert engine.runner.shared_weights is None and answers(engine) == expected
