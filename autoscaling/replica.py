@@ -1,8 +1,9 @@
 """One simulated engine replica: the engine's scheduler, roughly, with steps timed by a fitted StepTimeModel.
 
 It schedules as engine/scheduler.py does: running requests first under one token budget (decodes, continuing
-prefill chunks), then waiting ones in order while budget, KV blocks and `max_num_seqs` allow; when blocks run out
-the newest running request is preempted, loses its KV and goes back to the head of the queue. A prefix cache of
+prefill chunks), then waiting ones in order while budget, KV blocks and `max_num_seqs` allow (with a TTFT
+objective, those still able to meet it before those that waited past half of it with no first token); when blocks
+run out the newest running request is preempted, loses its KV and goes back to the head of the queue. A prefix cache of
 prompt block ids (LRU, the pool's size) spares a returning prefix its prefill. Not modelled: block sharing between
 running requests with one prefix, and eviction of cached blocks by running ones.
 """
@@ -17,6 +18,7 @@ from autoscaling.signals import ReplicaSignals, replica_signals
 from autoscaling.step_model import EngineShape, StepTimeModel
 from autoscaling.workload import RequestSpec
 
+LATE_SHARE = 0.5  # engine.scheduler.LATE_SHARE: past this share of the TTFT objective a waiting request is late
 PREEMPTION_WINDOW_S = 10.0  # the replica reports preemptions per second over this window
 
 
@@ -57,7 +59,8 @@ class ScheduledStep:
 
 class SimReplica:
     def __init__(self, replica_id: int, engine: EngineShape, step_model: StepTimeModel, started_at: float,
-                 ready_at: float, prefix_cache: bool = True, load: ReplicaLoad | None = None) -> None:
+                 ready_at: float, prefix_cache: bool = True, load: ReplicaLoad | None = None,
+                 ttft_objective_s: float | None = None) -> None:
         self.replica_id = replica_id
         self.engine = engine
         self.step_model = step_model
@@ -73,6 +76,7 @@ class SimReplica:
         self.prefix_cache = prefix_cache
         self._cache: OrderedDict[int, None] = OrderedDict()
         self.load = load  # the capacity and offered load it reports, as the engine replica does
+        self.ttft_objective_s = ttft_objective_s
 
     @property
     def num_ongoing(self) -> int:
@@ -123,12 +127,13 @@ class SimReplica:
                 budget -= num_new
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.engine.max_num_seqs and not preempted:
-            request = self.waiting[0]
+            index = self._next_waiting(now)
+            request = self.waiting[index]
             cached = self._cached_prefix(request)
             num_new = min(request.num_tokens - cached, budget)
             if self._blocks(cached + num_new) > self.free_blocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             request.computed = cached
             request.cached_tokens = request.cached_tokens or cached
             self._allocate(request, cached + num_new)
@@ -140,6 +145,18 @@ class SimReplica:
         step.stats = self._stats(step, now, slowdown)
         self.step = step
         return step
+
+    def _next_waiting(self, now: float) -> int:
+        """The waiting request to admit next: the first, or with a TTFT objective the first that had its first
+        token or has waited less than half the objective (the engine's late band: engine.tenancy.WaitingQueue,
+        engine.scheduler.LATE_SHARE, restated: the autoscaling package does not import the engine)."""
+        if self.ttft_objective_s is None:
+            return 0
+        cutoff = now - self.ttft_objective_s * LATE_SHARE
+        for index, request in enumerate(self.waiting):
+            if request.output_done or request.spec.arrival_s > cutoff:
+                return index
+        return 0
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """Applies the running step's tokens at `now`; returns the requests that finished."""

@@ -86,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--busy-slowdown", type=float, default=1.0,
                        help="a step's time multiplier while another replica steps too (replicas sharing cores)")
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--ttft-objective-s", type=float, default=None,
+                        help="the engines' engine.ttft_objective_s (requests past it go behind those on time); "
+                             "default: none, arrival order")
     parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
     parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
     parser.add_argument("--slo-percentile", type=float, default=SLO.percentile,
@@ -121,7 +124,7 @@ def cluster_from(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(serve=serve, initial_replicas=initial,
                          startup_s=args.startup_s, graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
                          control_interval_s=args.control_interval_s, prefix_cache=not args.no_prefix_cache,
-                         busy_slowdown=args.busy_slowdown, seed=args.seed)
+                         busy_slowdown=args.busy_slowdown, ttft_objective_s=args.ttft_objective_s, seed=args.seed)
 
 
 def main() -> None:

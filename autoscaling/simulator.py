@@ -95,6 +95,9 @@ class ClusterConfig:
     # share a node's cores with the serving processes (the proxy, the ingress, a load client) slow each other
     # down, which a profile measured on one engine alone does not see. 1.0: each replica has its own hardware.
     busy_slowdown: float = 1.0
+    # The engines' `ttft_objective_s`: a request waiting longer than this with no first token goes behind those
+    # that can still meet it (engine.tenancy.WaitingQueue). None: arrival order.
+    ttft_objective_s: float | None = None
     seed: int = 0
     max_sim_s: float = 24 * 3600.0
 
@@ -290,7 +293,8 @@ class Simulation:
     def _start_replica(self, now: float, ready: bool = False) -> None:
         replica = SimReplica(next(self._replica_ids), self.profile.engine, self.profile.step_model, now,
                              now if ready else now + self.cluster.startup_s, self.cluster.prefix_cache,
-                             ReplicaLoad(self.profile, slo) if (slo := getattr(self.policy, "slo", None)) else None)
+                             ReplicaLoad(self.profile, slo) if (slo := getattr(self.policy, "slo", None)) else None,
+                             self.cluster.ttft_objective_s)
         self.replicas.append(replica)
         if ready:
             self._on_ready(now, replica)

@@ -184,6 +184,11 @@ def main() -> None:
     parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
     parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
     parser.add_argument("--slo-percentile", type=float, default=SLO.percentile)
+    parser.add_argument("--downscale-delay-s", type=float, default=None,
+                        help="Serve's downscale delay for every policy (default: AppArgs')")
+    parser.add_argument("--arrival-order", action="store_true",
+                        help="engines admit in arrival order alone (default: engine.ttft_objective_s at the SLO's "
+                             "TTFT, as the app sets it under the SLO policy, for every policy alike)")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
     parser.add_argument("--levers", action="store_true", help="also run the SLO policy without each of its parts, "
@@ -202,15 +207,16 @@ def main() -> None:
 
     profile = ReplicaProfile.load(args.profile)
     defaults = AutoscalingArgs()
+    downscale_s = defaults.downscale_delay_s if args.downscale_delay_s is None else args.downscale_delay_s
     serve = ServeAutoscalingConfig(min_replicas=1, max_replicas=args.max_replicas,
                                    upscale_delay_s=defaults.upscale_delay_s,
-                                   downscale_delay_s=defaults.downscale_delay_s,
+                                   downscale_delay_s=downscale_s,
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
     slo = SLO(args.slo_ttft_s, args.slo_itl_s, args.slo_percentile)
     workloads = training_cases(profile) if args.training else cases(args.trace, args.block_size, profile)
     curve_names = [f"ongoing_requests:{t}" for t in TARGETS]
-    delays = [defaults.downscale_delay_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
+    delays = [downscale_s] + ([SHORT_DOWNSCALE_S] if args.levers else [])
     jobs = [Job(c, p, seed, d) for c in range(len(workloads)) for d in delays
             for p in list(OURS) + args.variants + curve_names + (list(LEVERS) if args.levers and d == delays[0] else [])
             + (list(FORESIGHT) if args.foresight and d == delays[0] else [])
@@ -218,7 +224,8 @@ def main() -> None:
     runs: dict[tuple[int, str, float], list[Summary]] = {}
     shown: dict[tuple[int, str, float], SimResult] = {}
     with ProcessPoolExecutor(args.jobs) as pool:
-        cluster = ClusterConfig(serve=serve, startup_s=args.startup_s)
+        cluster = ClusterConfig(serve=serve, startup_s=args.startup_s,
+                                ttft_objective_s=None if args.arrival_order else slo.ttft_s)
         futures = [pool.submit(run_job, job, workloads[job.case], profile, cluster, slo) for job in jobs]
         for future in futures:
             job, summary, result = future.result()

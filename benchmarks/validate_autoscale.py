@@ -298,20 +298,24 @@ def replicas_at(points: list[tuple[float, int]], times: np.ndarray) -> np.ndarra
     return counts[np.clip(np.searchsorted(ts, times, side="right") - 1, 0, len(counts) - 1)]
 
 
-def cluster_config(startup_s: float, busy_slowdown: float = 1.0, min_replicas: int = 1) -> ClusterConfig:
-    """The run's cluster as the simulator sees it: AppArgs' delays, 1 to 2 replicas (`min_replicas` at first)."""
+def cluster_config(startup_s: float, busy_slowdown: float = 1.0, min_replicas: int = 1,
+                   ttft_objective_s: float | None = None) -> ClusterConfig:
+    """The run's cluster as the simulator sees it: AppArgs' delays, 1 to 2 replicas (`min_replicas` at first), and the
+    engines' `ttft_objective_s` (under the SLO policy the app's engines take the SLO's TTFT)."""
     defaults = AutoscalingArgs()
     serve = ServeAutoscalingConfig(min_replicas=min_replicas, max_replicas=2, upscale_delay_s=defaults.upscale_delay_s,
                                    downscale_delay_s=defaults.downscale_delay_s,
                                    look_back_period_s=defaults.look_back_period_s,
                                    metrics_interval_s=defaults.metrics_interval_s)
     return ClusterConfig(serve=serve, initial_replicas=min_replicas, startup_s=startup_s, busy_slowdown=busy_slowdown,
-                         graceful_shutdown_timeout_s=AppArgs().limits.graceful_shutdown_timeout_s)
+                         graceful_shutdown_timeout_s=AppArgs().limits.graceful_shutdown_timeout_s,
+                         ttft_objective_s=ttft_objective_s)
 
 
 def simulated(specs: list[RequestSpec], profile: ReplicaProfile, config: SLOConfig, startup_s: float,
               busy_slowdown: float = 1.0) -> SimResult:
-    return simulate(specs, profile, SLOSimPolicy(config), cluster_config(startup_s, busy_slowdown))
+    return simulate(specs, profile, SLOSimPolicy(config),
+                    cluster_config(startup_s, busy_slowdown, ttft_objective_s=config.ttft_s))
 
 
 @dataclasses.dataclass
@@ -338,7 +342,8 @@ def pair_correction_of(specs: list[RequestSpec], profile: ReplicaProfile, config
     """The step correction (against `profile`) two simulated replicas report, as the real ones were asked, once
     `specs` are served on both with `busy_slowdown`: the mean of the two."""
     simulation = Simulation(specs, profile, SLOSimPolicy(config),
-                            cluster_config(config.startup_s, busy_slowdown, min_replicas=2))
+                            cluster_config(config.startup_s, busy_slowdown, min_replicas=2,
+                                           ttft_objective_s=config.ttft_s))
     end = simulation.run().duration_s
     return float(np.mean([r.load.steps.correction(end) for r in simulation.replicas if r.load is not None]))
 

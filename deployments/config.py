@@ -151,5 +151,9 @@ class AppArgs(_FlatEngineArgs):
         threads = args.num_threads or max(1, math.ceil(self.engine_num_cpus))
         # Off, the step ring keeps the engine's default length: the metrics read it either way.
         trace = {"step_history": self.timeline.step_ring} if self.timeline.enabled else {}
-        return EngineConfig(model=self.model_path(), device=device, **args.model_dump(exclude={"num_threads"}),
-                            num_threads=threads, record_request_events=self.timeline.enabled, **trace)
+        fields = args.model_dump(exclude={"num_threads"})
+        scaling = self.autoscaling
+        if fields["ttft_objective_s"] is None and scaling.enabled and scaling.policy == "slo":
+            fields["ttft_objective_s"] = scaling.slo.ttft_s  # the SLO stated once: its engines schedule for it too
+        return EngineConfig(model=self.model_path(), device=device, **fields, num_threads=threads,
+                            record_request_events=self.timeline.enabled, **trace)

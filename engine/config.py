@@ -116,6 +116,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Requests accepted but not yet running; past it AsyncEngine refuses new ones (None: no bound).
     max_num_waiting: int | None = None
+    # The time-to-first-token objective the scheduler orders the queue for: a request still waiting half of it after
+    # it arrived, with no first token, can no longer count on meeting it and yields its place to waiting requests that
+    # can (engine.tenancy.WaitingQueue; engine.scheduler.LATE_SHARE). Overload then costs the requests beyond the
+    # replica's capacity instead of every request queued behind them. None: arrival order alone, as vLLM schedules.
+    # With `autoscaling.policy: slo` the app sets it to the SLO's TTFT.
+    ttft_objective_s: float | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -181,6 +187,8 @@ class EngineConfig:
             raise ValueError(f"native_linear_max_rows must be >= 0 or None; got {self.native_linear_max_rows}")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0 or None; got {self.max_num_waiting}")
+        if self.ttft_objective_s is not None and not self.ttft_objective_s > 0:
+            raise ValueError(f"ttft_objective_s must be > 0 or None; got {self.ttft_objective_s}")
         if self.tensor_parallel_size < 1 or self.collective_timeout_s <= 0:
             raise ValueError(f"tensor_parallel_size must be >= 1 and collective_timeout_s > 0; got "
                              f"{self.tensor_parallel_size} and {self.collective_timeout_s}")

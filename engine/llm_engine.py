@@ -88,7 +88,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                                    FairShare(config.fair_share_prompt_weight, config.fair_share_output_weight),
-                                   config.max_tokens_with_decodes)
+                                   config.max_tokens_with_decodes, config.ttft_objective_s)
         self.requests: dict[str, Request] = {}
         self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.runner.num_blocks, config.block_size)
         self.step_history: deque[SchedulerStats] = deque(maxlen=config.step_history)

@@ -108,6 +108,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        # Waited past the engine's TTFT objective with no first token: queued behind those that can still meet it.
+        self.late = False
         self.block_ids: list[int] = []
         self.block_size = block_size
         self.extra_keys = extra_keys

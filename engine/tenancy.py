@@ -63,11 +63,20 @@ class FairShare:
 class WaitingQueue:
     """Requests not running, by priority, then tenant (least counter first, then least waiting), then arrival.
 
+    With `late_after_s` (half the engine's TTFT objective), a request that has waited that long since it arrived
+    without a first token goes behind the requests of its priority that can still meet the objective (`demote_late`,
+    each step): under overload a queue in arrival order makes every request behind it late too, while this spends the
+    replica's capacity on the ones that can still be on time. Late requests keep their order among themselves and
+    run whenever no request on time is waiting (their deadlines still bound them). Facebook's adaptive LIFO serves
+    overloaded queues newest first for the same reason; this keeps arrival order among those still on time.
+
     Choosing the next request costs O(priorities + tenants waiting); one priority and one tenant is a deque."""
 
-    def __init__(self, fair: FairShare) -> None:
+    def __init__(self, fair: FairShare, late_after_s: float | None = None) -> None:
         self.fair = fair
-        self._queues: dict[int, dict[str, deque[Request]]] = {}  # priority -> tenant -> requests
+        self.late_after_s = late_after_s
+        # (priority, late) -> tenant -> requests: late requests form a band just after their priority's
+        self._queues: dict[tuple[int, bool], dict[str, deque[Request]]] = {}
         self._per_tenant: dict[str, int] = {}  # requests waiting per tenant, over all priorities
         self._len = 0
 
@@ -78,8 +87,8 @@ class WaitingQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Request]:
-        for priority in sorted(self._queues):
-            for queue in self._queues[priority].values():
+        for band in sorted(self._queues):
+            for queue in self._queues[band].values():
                 yield from queue
 
     def count(self, tenant: str) -> int:
@@ -98,6 +107,32 @@ class WaitingQueue:
         for request in reversed(requests):
             self._queue_for(request, arriving=False).appendleft(request)
 
+    def demote_late(self, now: float) -> int:
+        """Moves the requests that have waited `late_after_s` since arrival with no first token into their
+        priority's late band, in arrival order; returns how many moved. Each tenant's queue is in arrival order
+        after the preempted requests at its head, so the scan stops at the first request still on time."""
+        if self.late_after_s is None:
+            return 0
+        cutoff = now - self.late_after_s
+        moved = 0
+        for key in [k for k in self._queues if not k[1]]:
+            for tenant, queue in list(self._queues[key].items()):
+                late = []
+                for request in queue:
+                    if request.num_output_tokens:
+                        continue  # it had its first token before it was preempted: never late
+                    if request.timings.arrival > cutoff:
+                        break
+                    late.append(request)
+                if not late:
+                    continue
+                for request in late:
+                    self.remove(request, leaving=False)
+                    request.late = True
+                    self._queue_for(request, arriving=False).append(request)
+                moved += len(late)
+        return moved
+
     def peek(self) -> Request | None:
         """The request to admit next."""
         if not self._len:
@@ -109,9 +144,11 @@ class WaitingQueue:
         # Equal counters (a tenant lifted to the others' level on arrival): the one with less waiting goes first.
         return tenants[min(tenants, key=lambda t: (counter(t), waiting[t]))][0]
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: Request, leaving: bool = True) -> None:
+        """Takes `request` off the queue (`leaving=False`: only to put it back in another band)."""
         tenancy = request.tenancy
-        tenants = self._queues[tenancy.priority]
+        key = (tenancy.priority, request.late)
+        tenants = self._queues[key]
         queue = tenants[tenancy.tenant]
         if queue[0] is request:
             queue.popleft()
@@ -120,14 +157,17 @@ class WaitingQueue:
         if not queue:
             del tenants[tenancy.tenant]
             if not tenants:
-                del self._queues[tenancy.priority]
+                del self._queues[key]
         self._len -= 1
         left = self._per_tenant[tenancy.tenant] - 1
         if left:
             self._per_tenant[tenancy.tenant] = left
         else:
             del self._per_tenant[tenancy.tenant]
-            self.fair.leave(tenancy.tenant)
+            if leaving:
+                self.fair.leave(tenancy.tenant)
+        if leaving:
+            request.late = False  # admitted (or finished): if it comes back, its lateness is read again
 
     def _queue_for(self, request: Request, arriving: bool) -> deque[Request]:
         tenancy = request.tenancy
@@ -136,7 +176,7 @@ class WaitingQueue:
             self.fair.arrive(tenancy.tenant, self._per_tenant)
         self._per_tenant[tenancy.tenant] = count + 1
         self._len += 1
-        tenants = self._queues.setdefault(tenancy.priority, {})
+        tenants = self._queues.setdefault((tenancy.priority, request.late), {})
         queue = tenants.get(tenancy.tenant)
         if queue is None:
             queue = tenants[tenancy.tenant] = deque()

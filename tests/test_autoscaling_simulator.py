@@ -15,11 +15,12 @@ from autoscaling.policy import QueueKVConfig
 from autoscaling.report import SLO, summarize
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulator import ClusterConfig, OngoingRequestsPolicy, QueueKVSimPolicy, simulate
-from autoscaling.replica import SimReplica, SimRequest
+from autoscaling.replica import LATE_SHARE, SimReplica, SimRequest
 from autoscaling.step_model import DEFAULT_PROFILE, EngineShape, ReplicaProfile, StepSample, StepTimeModel
 from autoscaling.workload import (REPLICAS_OF_WORK, RequestSpec, ShapedWorkload, SyntheticWorkload, TraceWorkload,
                                 saturation_rate, scaled_to)
 from benchmarks.step_profile import serve_engine_settings
+from engine.scheduler import LATE_SHARE as engine_late_share
 from engine.scheduler import step_budget
 from loadtests.datasets import MOONCAKE_TRACE
 
@@ -249,3 +250,37 @@ def test_validate_autoscale_fits_back_the_busy_slowdown_two_replicas_reported():
     assert 1.2 < reported < 1.5  # the two replicas' steps overlap most of the time, not always
     assert fit_busy_slowdown(specs, PROFILE, config, reported) == pytest.approx(1.5, abs=0.05)
     assert fit_busy_slowdown(specs, PROFILE, config, 0.9) == 1.0  # faster side by side: no slowdown
+
+
+def test_a_ttft_objective_spends_an_overloaded_replica_on_the_requests_that_can_still_meet_it():
+    """As engine.tenancy.WaitingQueue: a waiting request past the objective with no first token goes behind those
+    on time. Overload then costs the requests beyond the replica's capacity instead of every one queued behind
+    them, and every request still finishes."""
+    shape = EngineShape(block_size=16, num_kv_blocks=4096, max_num_batched_tokens=320, max_num_seqs=64)
+    replica = SimReplica(0, shape, PROFILE.step_model, started_at=0.0, ready_at=0.0, ttft_objective_s=2.0)
+    assert LATE_SHARE == engine_late_share  # the simulator restates the engine's rule
+    late, fresh, started = (SimRequest(i, RequestSpec(t, 100, 8)) for i, t in enumerate((0.0, 9.5, 1.0)))
+    started.output_done = 1  # preempted after its first token: never late
+    for request in (late, fresh):
+        replica.add(request, 0.0)
+    assert replica._next_waiting(10.0) == 1 and replica._next_waiting(0.5) == 0  # late after half the objective
+    replica.waiting.appendleft(started)
+    assert replica._next_waiting(10.0) == 0
+    replica.waiting.popleft()
+    replica.waiting.remove(fresh)
+    assert replica._next_waiting(10.0) == 0  # only late ones wait: the oldest goes
+    assert SimReplica(0, shape, PROFILE.step_model, 0.0, 0.0)._next_waiting(10.0) == 0
+
+    def burst_at(rate: float) -> list[RequestSpec]:
+        return SyntheticWorkload(400, rate=rate, input_mean=240, input_std=60, output_mean=150, output_std=40,
+                                 seed=3).requests()
+
+    burst = burst_at(3 * saturation_rate(PROFILE.step_model, burst_at(1.0)))  # three replicas' worth on one
+    end = burst[-1].arrival_s
+    slo = SLO(ttft_s=2.0, itl_s=10.0, percentile=0.95)
+    results = {objective: simulate(burst, PROFILE, OngoingRequestsPolicy(1e9),
+                                   dataclasses.replace(single_replica(), ttft_objective_s=objective))
+               for objective in (None, 2.0)}
+    assert all(r.finish_s is not None for result in results.values() for r in result.requests)
+    fifo, objective = (summarize(results[k], slo, 0.0, end + 1).attainment for k in (None, 2.0))
+    assert objective > 2 * fifo and objective > 0.2, (fifo, objective)
