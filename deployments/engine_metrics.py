@@ -56,6 +56,9 @@ class EngineMetrics:
 
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.num_requests_waiting_late = gauge(
+            "num_requests_waiting_late", "Of the requests waiting, those past half the TTFT objective with no first "
+                                         "token (engine.ttft_objective_s): queued behind those still on time.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
@@ -119,6 +122,7 @@ class EngineMetrics:
         """Gauges from the current stats, counters from their growth since the previous call."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_waiting_late.set(stats.num_waiting_late)
         self.kv_cache_usage.set(stats.kv_usage)
         if self._info_tags is not None:
             self.engine_info.set(1, tags=self._info_tags)

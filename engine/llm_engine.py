@@ -434,6 +434,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_waiting_late=self.scheduler.waiting.num_late,
             kv_usage=self.kv.usage, num_kv_blocks=self.runner.num_blocks,
             num_free_kv_blocks=self.kv.pool.num_free_blocks, block_size=self.config.block_size,
             prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,

@@ -77,6 +77,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_late: int = 0  # of num_waiting, those past half the TTFT objective (engine.ttft_objective_s)
     kv_usage: float = 0.0
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0

@@ -91,6 +91,11 @@ class WaitingQueue:
             for queue in self._queues[band].values():
                 yield from queue
 
+    @property
+    def num_late(self) -> int:
+        """Requests in the late bands: waiting past half their TTFT objective with no first token."""
+        return sum(len(q) for band, tenants in self._queues.items() if band[1] for q in tenants.values())
+
     def count(self, tenant: str) -> int:
         """Requests of `tenant` waiting (read from other threads too: one dict lookup)."""
         return self._per_tenant.get(tenant, 0)

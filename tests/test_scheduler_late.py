@@ -64,8 +64,11 @@ def test_without_an_objective_requests_run_in_arrival_order(tiny_source):
 def test_requests_past_the_objective_yield_to_those_that_can_still_meet_it(tiny_source):
     engine = make_engine(tiny_source, ttft_objective_s=2.0)
     ids = add_mixed(engine)
+    engine.step()
+    assert engine.stats().num_waiting_late == 4 and engine.stats().num_waiting == 6  # two of the fresh run
     order, finished = run_to_end(engine)
     assert order == ids[4:] + ids[:4], order  # on time first, each group in arrival order
+    assert engine.stats().num_waiting_late == 0
     assert finished == set(ids)  # the late ones are served once no request on time waits
     # A fresh request that waits past the objective becomes late too: nothing else is waiting, so it runs.
     engine.add_request("alone", prompt(9), PARAMS, arrival_time=time.time() - 10)

@@ -56,7 +56,8 @@ def test_engine_gauges_exist_per_replica(serve_app):
         text = serve_app.scrape_metrics()
         found = {name: {s.labels.get("replica") for s in samples(text, name)}
                  for name in ("ray_tokenline_kv_cache_usage_perc", "ray_tokenline_num_requests_waiting",
-                              "ray_tokenline_num_requests_running", "ray_tokenline_engine_info")}
+                              "ray_tokenline_num_requests_waiting_late", "ray_tokenline_num_requests_running",
+                              "ray_tokenline_engine_info")}
         if all(labels == replicas for labels in found.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
