@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a step's time multiplier while another replica steps too (replicas sharing cores)")
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--ttft-objective-s", type=float, default=None,
-                        help="the engines' engine.ttft_objective_s (requests past it go behind those on time); "
-                             "default: none, arrival order")
+                        help="the engines' engine.ttft_objective_s (requests past half of it go behind those on "
+                             "time); default: none, arrival order")
     parser.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
     parser.add_argument("--slo-itl-s", type=float, default=SLO.itl_s)
     parser.add_argument("--slo-percentile", type=float, default=SLO.percentile,

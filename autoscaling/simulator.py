@@ -95,8 +95,8 @@ class ClusterConfig:
     # share a node's cores with the serving processes (the proxy, the ingress, a load client) slow each other
     # down, which a profile measured on one engine alone does not see. 1.0: each replica has its own hardware.
     busy_slowdown: float = 1.0
-    # The engines' `ttft_objective_s`: a request waiting longer than this with no first token goes behind those
-    # that can still meet it (engine.tenancy.WaitingQueue). None: arrival order.
+    # The engines' `ttft_objective_s`: a request waiting longer than half of it with no first token goes behind
+    # those that can still meet it (engine.tenancy.WaitingQueue). None: arrival order.
     ttft_objective_s: float | None = None
     seed: int = 0
     max_sim_s: float = 24 * 3600.0

@@ -85,7 +85,7 @@ class Scheduler:
         self.fair = fair or FairShare()
         # Late once half the objective has passed: the other half is left for its prefill, which under load runs in
         # chunks beside the running streams (on a simulated replica at 1.2-3x its capacity, more requests met a 2 s
-        # objective with the line at 1 s than at 0.5, 1.5 or 2 s: benchmarks.bench_autoscale's README section).
+        # objective with the line at 1 s than at 2 s: python -m benchmarks.late_queue).
         late_after_s = None if ttft_objective_s is None else ttft_objective_s * LATE_SHARE
         self.waiting = WaitingQueue(self.fair, late_after_s)
         self.running: list[Request] = []  # in (priority, admission) order: the last is preempted first

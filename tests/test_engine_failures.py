@@ -9,7 +9,7 @@ import pytest
 
 from engine import AsyncEngine, EngineConfig, EngineDeadError, LLMEngine, SamplingParams
 from engine.failures import EngineFatalError, FailureKind
-from tests.tiny_models import tiny_llama_source
+from tests.tiny_models import tiny_engine, tiny_llama_source
 
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -20,9 +20,7 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny, **overrides) -> LLMEngine:
-    path, source = tiny
-    config = EngineConfig(model=path, dtype="float32", block_size=4, **{"num_kv_blocks": 64, **overrides})
-    return LLMEngine(config, source=source)
+    return tiny_engine(tiny, block_size=4, **{"num_kv_blocks": 64, **overrides})
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 500) -> dict[str, list]:

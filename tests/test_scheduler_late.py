@@ -10,7 +10,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import Request
 from engine.tenancy import FairShare, Tenancy, WaitingQueue
-from tests.tiny_models import tiny_llama_source
+from tests.tiny_models import tiny_engine, tiny_llama_source
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -21,10 +21,9 @@ def tiny_source(tmp_path_factory):
 
 
 def make_engine(tiny_source, **overrides) -> LLMEngine:
-    path, source = tiny_source
-    config = dict(model=path, dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=32,
-                  max_num_seqs=2, prepack_weights=False, num_threads=1)
-    return LLMEngine(EngineConfig(**{**config, **overrides}), source=source)
+    config = dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=2, prepack_weights=False,
+                  num_threads=1)
+    return tiny_engine(tiny_source, **{**config, **overrides})
 
 
 def prompt(i: int) -> list[int]:
@@ -121,4 +120,5 @@ def test_the_slo_policy_hands_its_ttft_to_the_engines_unless_one_is_set():
     assert AppArgs(model="/m.gguf").engine_config().ttft_objective_s is None
     assert AppArgs(model="/m.gguf", autoscaling=slo).engine_config().ttft_objective_s == 1.5
     assert AppArgs(model="/m.gguf", autoscaling={**slo, "policy": "queue_kv"}).engine_config().ttft_objective_s is None
-    assert AppArgs(model="/m.gguf", autoscaling=slo, engine={"ttft_objective_s": 4}).engine_config().ttft_objective_s == 4
+    explicit = AppArgs(model="/m.gguf", autoscaling=slo, engine={"ttft_objective_s": 4})
+    assert explicit.engine_config().ttft_objective_s == 4

@@ -52,3 +52,11 @@ def tiny_llama_source(path: Path) -> tuple[str, object]:
 
     write_tiny_model(path, "llama")
     return str(path), load_model_source(path)
+
+
+def tiny_engine(tiny: tuple[str, object], **config):
+    """An fp32 LLMEngine over a tiny_llama_source (`config`: EngineConfig fields)."""
+    from engine import EngineConfig, LLMEngine
+
+    path, source = tiny
+    return LLMEngine(EngineConfig(model=path, dtype="float32", **config), source=source)
