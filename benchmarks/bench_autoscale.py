@@ -9,7 +9,9 @@ SLO policy's fitted default (its forecaster's time constants) came from other se
 and the synthetic ones start with the workload and are judged from `WARMUP_S` on), so every policy meets the window
 with its own count.
 
-Policies, on replicas of the recorded profile, with AppArgs' Serve delays and at most `--max-replicas` each:
+Policies, on replicas of the recorded profile whose engines order their queues for the SLO's TTFT
+(engine.ttft_objective_s, as the app sets it under the SLO policy; `--arrival-order`: not), with AppArgs' Serve
+delays and at most `--max-replicas` each:
 the SLO policy (autoscaling.slo_policy, its defaults, the SLO below), the queue + KV policy (its defaults), and
 Serve's default policy at several `target_ongoing_requests`, which traces the goodput it buys per replica-second:
 "Serve's default at its best target" is read off that curve. Each runs with `--seeds` routing seeds; the tables

@@ -88,8 +88,8 @@ def _load() -> bool:
         build_dir = Path(_get_build_directory(name, verbose=False))
         _remove_stale_lock(build_dir / "lock")
         if not any(build_dir.glob("*.so")):
-            log.info("compiling the native CPU kernels: once per machine, version and checkout, about 30 s (cached in %s)",
-                     build_dir)
+            log.info("compiling the native CPU kernels: once per machine, version and checkout, about 30 s "
+                     "(cached in %s)", build_dir)
         start = time.perf_counter()
         here = Path(__file__).parent
         load(name=name, sources=[str(here / s) for s in SOURCES], is_python_module=False,
