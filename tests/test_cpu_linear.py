@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_has_amx, native_linear_available
+from engine.kernels import cpu_has_amx, native_linear_amx, native_linear_available
 from engine.config import EngineConfig
-from engine.models.layers import (AMX_NATIVE_MAX_ROWS, INT8_MAX_ROWS, Linear, default_native_max_rows,
+from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, INT8_MAX_ROWS, Linear, default_native_max_rows,
                                   onednn_prepack_available, quantize_int8, select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
@@ -27,11 +27,30 @@ def linear(in_features: int, out_features: int, bias: bool, packing: str | None)
     return layer
 
 
+# The native linear's two kernels: AVX512-BF16 dot products, and AMX tiles where it was built on a CPU with them.
+KERNELS = ["dot products"] + (["AMX tiles"] if native_linear_amx() else [])
+
+
+@pytest.fixture(params=KERNELS)
+def linear_kernel(request):
+    """Runs the test with the native linear on one of its kernels, then restores the rows from which it takes AMX
+    tiles."""
+    if request.param == "dot products" and not native_linear_available():
+        yield request.param
+        return
+    before = torch.ops.tokenline.linear_amx_min_rows()
+    torch.ops.tokenline.linear_amx_min_rows(1 if request.param == "AMX tiles" else 0)
+    try:
+        yield request.param
+    finally:
+        torch.ops.tokenline.linear_amx_min_rows(before)
+
+
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 391])  # whole and partial tiles of 6 rows; 391: past the early fetch
-@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (3072, 576), (577, 1536)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features, bias):
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 391])  # whole and partial tiles of 6 and 16 rows;
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (24, 72), (50, 576), (3072, 576), (577, 1536)])  # 391: past
+@pytest.mark.parametrize("bias", [False, True])  # the early fetch; K=72: tiles take 32 k at a time, so dot products
+def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features, bias, linear_kernel):
     layer = linear(in_features, out_features, bias, "native")
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
@@ -45,14 +64,26 @@ def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features,
 
 
 @needs_native
-def test_native_linear_reads_strided_rows_and_keeps_leading_dims():
+@pytest.mark.parametrize("rows", [5, 21])
+def test_native_linear_reads_strided_rows_and_keeps_leading_dims(rows, linear_kernel):
     layer = linear(64, 40, True, "native")
-    wide = torch.randn(5, 96).to(torch.bfloat16)
+    wide = torch.randn(rows, 96).to(torch.bfloat16)
     x = wide[:, 16:80]  # rows 96 elements apart, last dim contiguous
     expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     torch.testing.assert_close(layer(x).float(), expected, atol=2e-2, rtol=1e-2)
     batch = torch.randn(2, 3, 64).to(torch.bfloat16)
     assert layer(batch).shape == (2, 3, 40)
+
+
+@needs_native
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(linear_kernel):
+    """Batch invariance: a request's tokens get the same bits in a step of 1, 7, 16, 17 or 100 rows (each kernel
+    sums a row's products in one order whatever the tile it is in)."""
+    layer = linear(576, 200, True, "native")
+    x = torch.randn(100, 576).to(torch.bfloat16)
+    alone = layer(x[3:4], out_dtype=torch.float32)
+    for rows in (7, 16, 17, 100):
+        assert torch.equal(layer(x[:rows], out_dtype=torch.float32)[3:4], alone), rows
 
 
 @needs_native
@@ -114,7 +145,8 @@ def test_onednn_takes_the_larger_steps_where_the_cpu_has_amx_and_none_elsewhere(
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])
     assert cpu_has_amx() == ("amx_bf16" in flags)
-    assert default_native_max_rows() == (AMX_NATIVE_MAX_ROWS if "amx_bf16" in flags else None)
+    amx_tiles = AMX_TILES_MAX_ROWS if native_linear_amx() else AMX_NATIVE_MAX_ROWS
+    assert default_native_max_rows() == (amx_tiles if "amx_bf16" in flags else None)
 
 
 def dequantized(packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:

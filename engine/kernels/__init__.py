@@ -131,6 +131,13 @@ def native_linear_available() -> bool:
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
 
 
+def native_linear_amx() -> bool:
+    """Whether the packed linear runs on AMX tiles in this process: built on a CPU with them (-march=native) and
+    lent the tile state by Linux. Its rows from which it does (1 by default) are torch.ops.tokenline
+    .linear_amx_min_rows(rows), which 0 turns off."""
+    return native_linear_available() and torch.ops.tokenline.linear_amx_min_rows() > 0
+
+
 def native_layers_available() -> bool:
     """The decoder layers in one native call (engine/kernels/llama_cpu.cpp)."""
     return native_linear_available() and hasattr(torch.ops.tokenline, "llama_layers")

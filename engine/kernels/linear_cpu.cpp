@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TOKENLINE_HAS_BF16_DOT 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TOKENLINE_HAS_AMX 1
+#endif
 #endif
 
 namespace {
@@ -254,6 +260,175 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
   });
 }
 
+#ifdef TOKENLINE_HAS_AMX
+
+// AMX tiles (Sapphire Rapids and later Xeons) on the same packed weights: a block's 16 k pairs of 16 outputs are
+// one 1 KB B tile ([16 pairs][16 outputs][2 k], 64-byte rows) as they lie, a row tile of x (up to 16 rows by 32 k)
+// the A tile, tdpbf16ps accumulates 16 x 16 fp32. The tiles do a block's arithmetic for 16 rows in the time the
+// dot-product kernel does it for one, so a step of 8-64 rows streams its weights at the memory's rate, as one row
+// does; oneDNN's kernels reach that only from a few hundred rows.
+
+// Linux lends a process the 8 KB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows of x from which packed_linear runs on AMX tiles (0: never); set by linear_amx_min_rows.
+std::atomic<int64_t> g_amx_min_rows{-1};  // -1: not chosen yet (the default, kAmxMinRows, where the CPU permits)
+constexpr int64_t kAmxMinRows = 1;  // at one row too: 20-22 against 22-24 ms for the model on one thread
+
+int64_t amx_min_rows() {
+  int64_t v = g_amx_min_rows.load(std::memory_order_relaxed);
+  if (v < 0) v = amx_permitted() ? kAmxMinRows : 0;
+  return v;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C, an accumulator of mt rows by 16 outputs for each of up to four blocks; 4: A (mt rows by 32 k);
+// 5-7: B (16 k pairs by 16 outputs), taken in turn so that a load need not wait for the multiply before it.
+inline void configure_tiles(int64_t mt) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(mt);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One row tile (mt rows of x at x, `x_bytes` apart) against NR blocks: sums to c [NR][16][16] fp32.
+template <int NR>
+inline void amx_tile_blocks(const uint16_t* x, int64_t x_bytes, int64_t a_step, const uint16_t* w,
+                            int64_t block_elems, int64_t k_tiles, float* c) {
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NR > 2) _tile_zero(2);
+  if constexpr (NR > 3) _tile_zero(3);
+  for (int64_t kt = 0; kt < k_tiles; ++kt) {
+    _tile_loadd(4, x + kt * a_step, x_bytes);
+    const uint16_t* wk = w + kt * 512;  // 16 pairs of 16 outputs of 2 bf16
+    _tile_loadd(5, wk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NR > 1) {
+      _tile_loadd(6, wk + block_elems, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NR > 2) {
+      _tile_loadd(7, wk + 2 * block_elems, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NR > 3) {
+      _tile_loadd(5, wk + 3 * block_elems, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NR > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NR > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NR > 3) _tile_stored(3, c + 768, 64);
+}
+
+// Rows [r0, r0 + rows) of the outputs of blocks b0.. (nr of them) from their tiles c ([block][16 rows][16]).
+template <typename out_t>
+inline void store_tiles(const float* c, int64_t rows, int64_t nr, const float* bias, out_t* op, int64_t o_stride,
+                        int64_t r0, int64_t b0, int64_t n) {
+  for (int64_t j = 0; j < nr; ++j) {
+    const int64_t col = (b0 + j) * kBlock, valid = std::min<int64_t>(kBlock, n - col);
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i)
+      store_out(op + (r0 + i) * o_stride + col, _mm512_add_ps(_mm512_load_ps(c + j * 256 + i * 16), b), mask);
+  }
+}
+
+template <typename out_t>
+void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), k_tiles = pairs / 16;
+  const int64_t block_elems = pairs * 2 * kBlock, blocks = packed.size(0);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  out_t* op = out.data_ptr<out_t>();
+  const int64_t o_stride = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+  if (m <= 16) {
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    const int64_t x_bytes = x.stride(0) * 2;
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float c[kGroup * 256];
+      configure_tiles(m);
+      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
+        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
+        const uint16_t* w = wp + b0 * block_elems;
+        switch (nr) {
+          case 1: amx_tile_blocks<1>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          case 2: amx_tile_blocks<2>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          case 3: amx_tile_blocks<3>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          default: amx_tile_blocks<4>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
+        }
+        store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
+      }
+      _tile_release();
+    });
+    return;
+  }
+  // More rows: x copied tile by tile, [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a
+  // multiple of 16, so that every tile is full (one configuration for the whole call) and an A tile is 1 KB in one
+  // piece, as a B tile is.
+  const int64_t padded = (m + 15) / 16 * 16, tile_elems = 16 * 32;
+  thread_local std::vector<uint16_t> xbuf;
+  xbuf.resize(padded * k);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const int64_t xs_stride = x.stride(0);
+  uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
+  at::parallel_for(0, padded / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rt = begin; rt < end; ++rt)
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        uint16_t* dst = xt + (rt * k_tiles + kt) * tile_elems;
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t r = rt * 16 + i;
+          if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
+          else std::memset(dst + i * 32, 0, 64);
+        }
+      }
+  });
+  const uint16_t* xp = xt;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kGroup * 256];
+    configure_tiles(16);
+    for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
+      const int64_t nr = std::min<int64_t>(kGroup, end - b0);
+      const uint16_t* w = wp + b0 * block_elems;
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const uint16_t* xr = xp + r0 * k;  // r0 / 16 tiles of 16 x k
+        switch (nr) {
+          case 1: amx_tile_blocks<1>(xr, 64, 512, w, block_elems, k_tiles, c); break;
+          case 2: amx_tile_blocks<2>(xr, 64, 512, w, block_elems, k_tiles, c); break;
+          case 3: amx_tile_blocks<3>(xr, 64, 512, w, block_elems, k_tiles, c); break;
+          default: amx_tile_blocks<4>(xr, 64, 512, w, block_elems, k_tiles, c); break;
+        }
+        store_tiles(c, std::min<int64_t>(16, m - r0), nr, bias, op, o_stride, r0, b0, n);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // TOKENLINE_HAS_AMX
+
 inline float bf16_to_float(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
 
 inline __m512 bf16x16_to_float(const uint16_t* p) {
@@ -340,9 +515,30 @@ void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed_linear takes a weight from pack_linear_weight");
   at::Tensor bias_f;
   const float* bp = float_data(bias, bias_f);
+#ifdef TOKENLINE_HAS_AMX
+  const int64_t amx_rows = amx_min_rows();
+  if (amx_rows > 0 && x.size(0) >= amx_rows && packed.size(1) % 16 == 0) {
+    if (out.scalar_type() == at::kFloat) packed_linear_amx<float>(x, packed, bp, out, n);
+    else packed_linear_amx<c10::BFloat16>(x, packed, bp, out, n);
+    return;
+  }
+#endif
 #ifdef TOKENLINE_HAS_BF16_DOT
   if (out.scalar_type() == at::kFloat) packed_linear_impl<float>(x, packed, bp, out, n);
   else packed_linear_impl<c10::BFloat16>(x, packed, bp, out, n);
+#endif
+}
+
+// Rows of x from which packed_linear runs on AMX tiles: `rows` > 0 sets it, 0 turns the tiles off, a negative
+// value leaves it; returns the value in effect (0 where the build or the CPU has no AMX).
+int64_t linear_amx_min_rows(int64_t rows) {
+#ifdef TOKENLINE_HAS_AMX
+  if (!amx_permitted()) return 0;
+  if (rows >= 0) g_amx_min_rows.store(rows, std::memory_order_relaxed);
+  return amx_min_rows();
+#else
+  (void)rows;
+  return 0;
 #endif
 }
 
@@ -371,4 +567,5 @@ TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.def("packed_linear_int8(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n) -> ()");
   m.impl("packed_linear_int8", c10::DispatchKey::CPU, &packed_linear_int8);
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
+  m.def("linear_amx_min_rows(int rows=-1) -> int", &linear_amx_min_rows);
 }

@@ -45,29 +45,38 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
 
 
 def linears_described(packing: str | None, native_max_rows: int | None) -> str:
-    """How the linears run, for the engine's ready line: `native`, `native up to 6 rows, oneDNN beyond`, ..."""
+    """How the linears run, for the engine's ready line: `native`, `native on AMX tiles up to 80 rows, oneDNN
+    beyond`, ..."""
     if packing is None:
         return "F.linear"
+    from engine.kernels import native_linear_amx
+    if packing.startswith("native") and native_linear_amx():
+        packing += " on AMX tiles"
     if native_max_rows is None:
         return packing
     return f"{packing} up to {native_max_rows} rows, oneDNN beyond"
 
 
 # Natively packed linears hand steps of more rows than this to oneDNN's prepacked kernel where the CPU has AMX.
-# The native kernel streams weights through AVX512-BF16 dot products: the fastest at decode-sized steps everywhere,
-# and on Zen 4 at every size; on a Xeon with AMX, oneDNN's tiles are 6-10x faster at 64-512 rows, while up to 6
-# rows (one of the native kernel's row tiles) the native kernel's decode steps are the faster: 18.5 against 22.7 ms
-# at 6 rows on 2 threads, 26.8 against 25.4 at 8 (`make step-breakdown`, README).
+# Where the native kernel runs on AMX tiles itself (built on such a CPU, and Linux lends the process the tile
+# state), it streams a step's weights at the memory's rate up to a few dozen rows, ahead of oneDNN's kernels up to
+# 80-96 rows, about level from there (the model's linears on 1 / 2 threads: 44.6 / 28.1 ms against 49.8 / 27.5
+# at 80 rows, 37.3 / 23.1 against 42.8 / 26.9 at 64, README) and behind from about 112. Where it has only the
+# AVX512-BF16 dot products, up to 6 rows (one of its row tiles): 18.5 against 22.7 ms a decode step at 6 rows on
+# 2 threads, 26.8 against 25.4 at 8 (`make step-breakdown`, README).
 # A fixed rule rather than a measurement at start-up: every replica of a machine type then runs the same kernels
 # on the same steps, so their answers agree.
+AMX_TILES_MAX_ROWS = 80
 AMX_NATIVE_MAX_ROWS = 6
 
 
 def default_native_max_rows() -> int | None:
-    """EngineConfig.native_linear_max_rows when unset: AMX_NATIVE_MAX_ROWS where the CPU has AMX, else None (the
-    native kernel at every size)."""
-    from engine.kernels import cpu_has_amx
-    return AMX_NATIVE_MAX_ROWS if cpu_has_amx() else None
+    """EngineConfig.native_linear_max_rows when unset: where the CPU has AMX, AMX_TILES_MAX_ROWS if the native
+    kernel runs on its tiles, else AMX_NATIVE_MAX_ROWS; elsewhere None (the native kernel at every size)."""
+    from engine.kernels import cpu_has_amx, native_linear_amx
+    if not cpu_has_amx():
+        return None
+    return AMX_TILES_MAX_ROWS if native_linear_amx() else AMX_NATIVE_MAX_ROWS
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
