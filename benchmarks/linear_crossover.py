@@ -1,12 +1,14 @@
 """The native linear kernel against oneDNN's prepacked one, at each step size: where oneDNN should take over.
 
-Every linear of SmolLM2-135M's 30 decoder layers on random bf16 weights (qkv 576 -> 960, o 576 -> 576, gate/up
-576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152), at each row count and thread count; best of
-three rounds, the two kernels timed turn about. Prints milliseconds per step and the largest row count at which
-the native kernel is still faster (EngineConfig.native_linear_max_rows; engine.models.layers.AMX_NATIVE_MAX_ROWS
-is this on a Xeon with AMX). Writes JSON.
+Every linear of SmolLM2-135M's 30 decoder layers (qkv 576 -> 960, o 576 -> 576, gate/up 576 -> 3072, down
+1536 -> 576), then its LM head (576 -> 49,152), each on random bf16 weights of its own (270 MB, streamed from
+memory as a step streams the model's), at each row count and thread count; best of three rounds, the kernels
+timed turn about: the native kernel on its AVX512-BF16 dot products, on AMX tiles where it has them, and oneDNN.
+Prints milliseconds per step and the largest row count at which the native kernel (on tiles where it has them)
+is still faster (EngineConfig.native_linear_max_rows; engine.models.layers.AMX_TILES_MAX_ROWS is this on a Xeon
+with AMX, AMX_NATIVE_MAX_ROWS the dot products'). Writes JSON.
 
-    python -m benchmarks.linear_crossover --threads 1,2 --rows 1,2,4,8,16,32,64,256
+    python -m benchmarks.linear_crossover --threads 1,2 --rows 1,2,4,8,16,32,64,80,96,128,256
 """
 from __future__ import annotations
 
@@ -18,35 +20,55 @@ from pathlib import Path
 import torch
 
 from benchmarks.kernel_ab import LAYERS, LINEAR_SHAPES
-from engine.kernels import cpu_has_amx, native_linear_available
+from engine.kernels import cpu_has_amx, native_linear_amx, native_linear_available
 from engine.models.layers import onednn_prepack_available
 
 LM_HEAD = (49152, 576)
 
 
-def best_of(fn, rounds: int = 3, calls: int = 3) -> float:
+def best_of(fn, rounds: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn()
+        best = min(best, time.perf_counter() - start)
     return best
 
 
-def step_ms(rows: int) -> tuple[float, float]:
-    """(native, oneDNN) milliseconds for one step's linears at `rows` rows."""
-    native = onednn = 0.0
-    for (n, k), count in [(shape, LAYERS) for shape in LINEAR_SHAPES] + [(LM_HEAD, 1)]:
+def model_linears() -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(outputs, native packed weight, oneDNN's reordered weight) for each linear of one step, in order."""
+    linears = []
+    for (n, k) in [shape for _ in range(LAYERS) for shape in LINEAR_SHAPES] + [LM_HEAD]:
         weight = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
-        x = torch.randn(rows, k, dtype=torch.bfloat16)
-        packed = torch.ops.tokenline.pack_linear_weight(weight.contiguous())
-        reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        native += count * best_of(lambda: torch.ops.tokenline.packed_linear(out, x, packed, None, n))
-        onednn += count * best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], ""))
-    return native * 1e3, onednn * 1e3
+        linears.append((n, torch.ops.tokenline.pack_linear_weight(weight.contiguous()),
+                        torch.ops.mkldnn._reorder_linear_weight(weight, None)))
+    return linears
+
+
+def step_ms(linears: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int, kernels: list[str]) -> dict[str, float]:
+    """Milliseconds for one step's linears at `rows` rows on each kernel."""
+    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {packed.size(1) * 2 for _, packed, _ in linears}}
+    outs = [torch.empty(rows, n, dtype=torch.bfloat16) for n, _, _ in linears]
+
+    def native() -> None:
+        for (n, packed, _), out in zip(linears, outs):
+            torch.ops.tokenline.packed_linear(out, xs[packed.size(1) * 2], packed, None, n)
+
+    def onednn() -> None:
+        for _, packed, reordered in linears:
+            torch.ops.mkldnn._linear_pointwise(xs[packed.size(1) * 2], reordered, None, "none", [], "")
+
+    amx_rows = torch.ops.tokenline.linear_amx_min_rows()
+    times = {}
+    try:
+        for kernel in kernels:
+            if kernel != "oneDNN":
+                torch.ops.tokenline.linear_amx_min_rows(1 if kernel == "AMX tiles" else 0)
+            times[kernel] = best_of(onednn if kernel == "oneDNN" else native) * 1e3
+    finally:
+        torch.ops.tokenline.linear_amx_min_rows(amx_rows)
+    return times
 
 
 def main() -> None:
@@ -58,19 +80,23 @@ def main() -> None:
     if not (native_linear_available() and onednn_prepack_available()):
         raise SystemExit("needs the native linear kernel (AVX512-BF16) and oneDNN's prepacked linear")
     rows_list = [int(r) for r in args.rows.split(",")]
-    report = {"amx": cpu_has_amx(), "runs": []}
-    print(f"CPU with AMX: {report['amx']}; milliseconds for one step's linears (30 layers + LM head)")
+    kernels = ["dot products"] + (["AMX tiles"] if native_linear_amx() else []) + ["oneDNN"]
+    report = {"amx": cpu_has_amx(), "kernels": kernels, "runs": []}
+    print(f"CPU with AMX: {report['amx']}; milliseconds for one step's linears (30 layers + LM head): "
+          + " / ".join(kernels))
+    linears = model_linears()
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         rows_native_wins = None
         for rows in rows_list:
-            native, onednn = step_ms(rows)
-            report["runs"].append({"threads": threads, "rows": rows, "native_ms": native, "onednn_ms": onednn})
-            print(f"  {threads} threads, {rows:4d} rows: native {native:8.2f}, oneDNN {onednn:8.2f} "
-                  f"(oneDNN's time {onednn / native:.2f}x the native kernel's)", flush=True)
-            if native <= onednn:
+            times = step_ms(linears, rows, kernels)
+            report["runs"].append({"threads": threads, "rows": rows, "ms": times})
+            print(f"  {threads} threads, {rows:4d} rows: " + " / ".join(f"{times[k]:8.2f}" for k in kernels),
+                  flush=True)
+            if times[kernels[-2]] <= times["oneDNN"]:
                 rows_native_wins = rows
-        print(f"  {threads} threads: the native kernel is faster up to {rows_native_wins} rows of those measured")
+        print(f"  {threads} threads: the native kernel ({kernels[-2]}) is faster up to {rows_native_wins} rows of "
+              "those measured")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.bench_engine import random_prompts
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs
+from engine.kernels import native_linear_available
 from engine.loader import load_model_source
 from engine.models.layers import Linear, linears_described
 from engine.outputs import STEP_PHASES
@@ -186,11 +187,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
     parser.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only linears")
     parser.add_argument("--native-linear-max-rows", type=int, default=None,
-                        help="steps of more rows run oneDNN's linears (default: 6 where the CPU has AMX, else "
-                             "none; 2048: the native kernel alone)")
+                        help="steps of more rows run oneDNN's linears (default: where the CPU has AMX 80, or 6 "
+                             "without the native kernel's AMX tiles; else none; 2048: the native kernel alone)")
+    parser.add_argument("--linear-amx-tiles", choices=["on", "off"], default="on",
+                        help="off: the native linear on its AVX512-BF16 dot products alone where it has AMX tiles "
+                             "(and so oneDNN past 6 rows by default)")
     parser.add_argument("--out", default="results/step_breakdown.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.linear_amx_tiles == "off" and native_linear_available():
+        torch.ops.tokenline.linear_amx_min_rows(0)
     engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads,
                                     quantization=args.quantization,
                                     native_linear_max_rows=args.native_linear_max_rows),
