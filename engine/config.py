@@ -133,8 +133,9 @@ class EngineConfig:
     # Prepacked bf16 linear weights on CPU: the native AVX512-BF16 kernel, else oneDNN's, else F.linear.
     prepack_weights: bool = True
     # CPU, native kernel: steps of at most this many tokens run it; larger ones run oneDNN's prepacked kernel (AMX
-    # tiles where the CPU has them: 6-10x the native kernel's rate at 64+ rows on a Xeon with AMX), holding a second
-    # copy of the linear weights. None: 6 where the CPU has AMX, else the native kernel at every size
+    # tiles where the CPU has them: 1.6x the native kernel's tiles at 256 rows on a Xeon with AMX, 6-10x its dot
+    # products at 64+), holding a second copy of the linear weights. None: where the CPU has AMX 80 (the native
+    # kernel on its own AMX tiles) or 6 (a build without them), else the native kernel at every size
     # (engine.models.layers.default_native_max_rows). max_num_batched_tokens or more: the native kernel alone, and a
     # request's tokens the same bits whatever its neighbours and the prefix cache.
     native_linear_max_rows: int | None = None
