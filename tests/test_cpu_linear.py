@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu_has_amx, native_linear_amx, native_linear_available
 from engine.config import EngineConfig
-from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, INT8_MAX_ROWS, Linear, default_native_max_rows,
-                                  onednn_prepack_available, quantize_int8, select_linear_packing)
+from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, INT8_MAX_ROWS, Linear,
+                                  default_native_max_rows, onednn_prepack_available, quantize_int8,
+                                  select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
                                   reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the native linear "
@@ -34,10 +35,7 @@ KERNELS = ["dot products"] + (["AMX tiles"] if native_linear_amx() else [])
 @pytest.fixture(params=KERNELS)
 def linear_kernel(request):
     """Runs the test with the native linear on one of its kernels, then restores the rows from which it takes AMX
-    tiles."""
-    if request.param == "dot products" and not native_linear_available():
-        yield request.param
-        return
+    tiles (only for tests marked needs_native: the skip comes first)."""
     before = torch.ops.tokenline.linear_amx_min_rows()
     torch.ops.tokenline.linear_amx_min_rows(1 if request.param == "AMX tiles" else 0)
     try:
@@ -47,9 +45,11 @@ def linear_kernel(request):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 391])  # whole and partial tiles of 6 and 16 rows;
-@pytest.mark.parametrize("out_features, in_features", [(48, 64), (24, 72), (50, 576), (3072, 576), (577, 1536)])  # 391: past
-@pytest.mark.parametrize("bias", [False, True])  # the early fetch; K=72: tiles take 32 k at a time, so dot products
+# Rows: whole and partial tiles of 6 (dot products) and 16 (AMX) rows; 391: past the early fetch. K=72: the tiles
+# take 32 k at a time, so those run on the dot products.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 391])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (24, 72), (50, 576), (3072, 576), (577, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features, bias, linear_kernel):
     layer = linear(in_features, out_features, bias, "native")
     x = torch.randn(rows, in_features).to(torch.bfloat16)

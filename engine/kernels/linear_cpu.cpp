@@ -311,7 +311,8 @@ inline void configure_tiles(int64_t mt) {
   _tile_loadconfig(&cfg);
 }
 
-// One row tile (mt rows of x at x, `x_bytes` apart) against NR blocks: sums to c [NR][16][16] fp32.
+// One row tile (mt rows of x at x, `x_bytes` apart, each k tile `a_step` elements on) against NR blocks: sums to
+// c [NR][16][16] fp32.
 template <int NR>
 inline void amx_tile_blocks(const uint16_t* x, int64_t x_bytes, int64_t a_step, const uint16_t* w,
                             int64_t block_elems, int64_t k_tiles, float* c) {
@@ -362,64 +363,46 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
   const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), k_tiles = pairs / 16;
   const int64_t block_elems = pairs * 2 * kBlock, blocks = packed.size(0);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  if (m <= 16) {
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-    const int64_t x_bytes = x.stride(0) * 2;
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float c[kGroup * 256];
-      configure_tiles(m);
-      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
-        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
-        const uint16_t* w = wp + b0 * block_elems;
-        switch (nr) {
-          case 1: amx_tile_blocks<1>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          case 2: amx_tile_blocks<2>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          case 3: amx_tile_blocks<3>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          default: amx_tile_blocks<4>(xp, x_bytes, 32, w, block_elems, k_tiles, c); break;
+  // Up to 16 rows: one row tile read from x as it lies (tiles configured to m rows). More: x copied tile by tile,
+  // [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a multiple of 16, so that every tile is
+  // full (one configuration for the whole call) and an A tile is 1 KB in one piece, as a B tile is.
+  const uint16_t* xp = xs;
+  int64_t x_bytes = x.stride(0) * 2, a_step = 32, tile_rows = m;
+  if (m > 16) {
+    const int64_t padded = (m + 15) / 16 * 16, tile_elems = 16 * 32, xs_stride = x.stride(0);
+    thread_local std::vector<uint16_t> xbuf;
+    xbuf.resize(padded * k);
+    uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
+    at::parallel_for(0, padded / 16, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t rt = begin; rt < end; ++rt)
+        for (int64_t kt = 0; kt < k_tiles; ++kt) {
+          uint16_t* dst = xt + (rt * k_tiles + kt) * tile_elems;
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t r = rt * 16 + i;
+            if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
+            else std::memset(dst + i * 32, 0, 64);
+          }
         }
-        store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
-      }
-      _tile_release();
     });
-    return;
+    xp = xt, x_bytes = 64, a_step = tile_elems, tile_rows = 16;
   }
-  // More rows: x copied tile by tile, [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a
-  // multiple of 16, so that every tile is full (one configuration for the whole call) and an A tile is 1 KB in one
-  // piece, as a B tile is.
-  const int64_t padded = (m + 15) / 16 * 16, tile_elems = 16 * 32;
-  thread_local std::vector<uint16_t> xbuf;
-  xbuf.resize(padded * k);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const int64_t xs_stride = x.stride(0);
-  uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
-  at::parallel_for(0, padded / 16, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rt = begin; rt < end; ++rt)
-      for (int64_t kt = 0; kt < k_tiles; ++kt) {
-        uint16_t* dst = xt + (rt * k_tiles + kt) * tile_elems;
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t r = rt * 16 + i;
-          if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
-          else std::memset(dst + i * 32, 0, 64);
-        }
-      }
-  });
-  const uint16_t* xp = xt;
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kGroup * 256];
-    configure_tiles(16);
+    configure_tiles(tile_rows);
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       const uint16_t* w = wp + b0 * block_elems;
       for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        const uint16_t* xr = xp + r0 * k;  // r0 / 16 tiles of 16 x k
+        const uint16_t* xr = xp + r0 * k;  // the r0 / 16-th row tile of the copy (r0 is 0 without one)
         switch (nr) {
-          case 1: amx_tile_blocks<1>(xr, 64, 512, w, block_elems, k_tiles, c); break;
-          case 2: amx_tile_blocks<2>(xr, 64, 512, w, block_elems, k_tiles, c); break;
-          case 3: amx_tile_blocks<3>(xr, 64, 512, w, block_elems, k_tiles, c); break;
-          default: amx_tile_blocks<4>(xr, 64, 512, w, block_elems, k_tiles, c); break;
+          case 1: amx_tile_blocks<1>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          case 2: amx_tile_blocks<2>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          case 3: amx_tile_blocks<3>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          default: amx_tile_blocks<4>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
         }
         store_tiles(c, std::min<int64_t>(16, m - r0), nr, bias, op, o_stride, r0, b0, n);
       }

@@ -59,9 +59,10 @@ def linears_described(packing: str | None, native_max_rows: int | None) -> str:
 
 # Natively packed linears hand steps of more rows than this to oneDNN's prepacked kernel where the CPU has AMX.
 # Where the native kernel runs on AMX tiles itself (built on such a CPU, and Linux lends the process the tile
-# state), it streams a step's weights at the memory's rate up to a few dozen rows, ahead of oneDNN's kernels up to
-# 80-96 rows, about level from there (the model's linears on 1 / 2 threads: 44.6 / 28.1 ms against 49.8 / 27.5
-# at 80 rows, 37.3 / 23.1 against 42.8 / 26.9 at 64, README) and behind from about 112. Where it has only the
+# state), it streams a step's weights at the memory's rate up to 16 rows, and is ahead of oneDNN's kernels up to
+# 80 rows, about level at 80-96 and behind from about 112 (a step's linears on 1 / 2 threads: 36.7 / 20.2 ms
+# against 40.2 / 22.6 at 64 rows, 40.9 / 23.8 against 44.6 / 23.6 at 80; `python -m benchmarks.linear_crossover`,
+# README). Where it has only the
 # AVX512-BF16 dot products, up to 6 rows (one of its row tiles): 18.5 against 22.7 ms a decode step at 6 rows on
 # 2 threads, 26.8 against 25.4 at 8 (`make step-breakdown`, README).
 # A fixed rule rather than a measurement at start-up: every replica of a machine type then runs the same kernels
