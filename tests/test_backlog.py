@@ -90,6 +90,11 @@ def test_an_idle_engine_prices_a_request_as_alone_whatever_load_came_before(tmp_
     # A prefill-heavy load: long prompts, short answers, so the engine's prompt tokens per step stay high.
     engine.generate([[3 + i % 50] * 60 for i in range(40)], SamplingParams(max_tokens=2, ignore_eos=True))
     assert not engine.has_unfinished() and engine._prefill_per_step > 10
+    # The step-cost fit from known steps rather than this machine's timings of a tiny model (dominated by overhead,
+    # a noisy fit may price prompt tokens at 0): 1 ms a step, 0.1 ms a prompt token, 0.5 ms a decoding request.
+    engine.step_costs = StepCostModel()
+    for prefill, decodes in [(60, 0), (4, 4), (30, 2), (0, 4), (64, 1), (0, 1)] * 4:
+        engine.step_costs.observe(prefill, decodes, 1e-3 + 1e-4 * prefill + 5e-4 * decodes)
     job = engine.output_lengths.job_of_new(8, SamplingParams(max_tokens=30, ignore_eos=True))
     finish, alone = engine.predicted_finish_s([job])
     assert finish == alone > 0
