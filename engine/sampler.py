@@ -93,6 +93,23 @@ class SamplingBatch:
 
 
 class Sampler:
+    """native: greedy and plain temperature rows in one native call (engine/kernels/sampling_cpu.cpp) where the
+    logits are fp32 on the CPU and no row asks for top-k, top-p or min-p; None: where the kernels load."""
+
+    def __init__(self, native: bool | None = None) -> None:
+        self.native = native
+
+    def _use_native(self, logits: torch.Tensor, batch: "SamplingBatch") -> bool:
+        if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+            return False
+        if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 \
+                or logits.stride(1) != 1:
+            return False
+        if self.native is None:
+            from engine.kernels import native_sampler_available
+            self.native = native_sampler_available()
+        return self.native
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], torch.Tensor | None]:
         """Returns sampled token ids and, when asked for, log-probabilities of the raw logits."""
         tokens, logprobs = self.sample(logits, batch)
@@ -102,6 +119,13 @@ class Sampler:
         """As __call__, with the token ids left on the logits' device (see sampled_to_host)."""
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         logits = batch.process_logits(logits)
+        if self._use_native(logits, batch):
+            from engine.kernels import sample_rows
+            rows = logits.shape[0]
+            temperature = batch.temperature.squeeze(1).float().masked_fill(batch.greedy, 0.0)
+            uniform = torch.zeros(rows, dtype=torch.float64) if batch.all_greedy else \
+                draw_uniforms(rows, batch.generators, logits.device).squeeze(1)
+            return sample_rows(logits, temperature.contiguous(), uniform.contiguous()), logprobs
         if batch.all_greedy:
             return logits.argmax(dim=-1), logprobs
         greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
@@ -147,9 +171,7 @@ def sample_from(probs: torch.Tensor, generators: list[tuple[int, torch.Generator
     block_sums = blocks.sum(dim=-1)
     block_cdf = block_sums.double().cumsum(dim=-1)
     starts = torch.nn.functional.pad(block_cdf, (1, 0))  # where each block's weight begins
-    uniform = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
-    for row, generator in generators:
-        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator).to(probs.device)
+    uniform = draw_uniforms(rows, generators, probs.device)
     target = uniform * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=per_row - 1)
     share = (target - starts.gather(1, block)) / block_sums.gather(1, block).double()
@@ -157,6 +179,15 @@ def sample_from(probs: torch.Tensor, generators: list[tuple[int, torch.Generator
     rest = torch.minimum(share * inner[:, -1:], torch.nextafter(inner[:, -1:], torch.zeros_like(target)))
     index = torch.searchsorted(inner, rest, right=True).clamp_(max=CDF_BLOCK - 1)
     return (block * CDF_BLOCK + index).squeeze(1).clamp_(max=vocab - 1)
+
+
+def draw_uniforms(rows: int, generators: list[tuple[int, torch.Generator]], device: torch.device) -> torch.Tensor:
+    """[rows, 1] float64 uniforms in [0, 1): torch's default generator's, and a seeded row's from its own generator
+    (so that its tokens do not depend on its batch neighbours)."""
+    uniform = torch.rand(rows, 1, dtype=torch.float64, device=device)
+    for row, generator in generators:
+        uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator).to(device)
+    return uniform
 
 
 def sampled_to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: list[int],

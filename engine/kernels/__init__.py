@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
-SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp", "llama_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp", "llama_cpu.cpp",
+           "sampling_cpu.cpp")
 HEADERS = ("vec_math.h",)  # included by the sources: a change to one is a new build too
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
@@ -171,6 +172,19 @@ def rotary_embedding_(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     torch.ops.tokenline.silu_and_mul(out, gate_up)
+    return out
+
+
+def native_sampler_available() -> bool:
+    """One native call per step for greedy and plain temperature sampling (engine/kernels/sampling_cpu.cpp)."""
+    return cpu_kernels_available() and hasattr(torch.ops.tokenline, "sample_rows")
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token of fp32 logits [rows, vocab]: its argmax where temperature <= 0, else a draw from
+    softmax(logits / temperature) at the row's uniform (float64 in [0, 1))."""
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    torch.ops.tokenline.sample_rows(out, logits, temperature, uniform)
     return out
 
 
