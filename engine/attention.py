@@ -136,6 +136,10 @@ class TorchAttention(AttentionBackend):
 # (SDPA) rather than as rows of the native kernel: 8.6 against 17.1 ms for 30 layers at 256 tokens on 2 threads of a
 # Xeon with AMX, 96 against 253 at 1,024; at 64 tokens 2.0 against 1.5 (README).
 SDPA_MIN_TOKENS = 128
+# ... where the native kernel's query tiles run on AMX too (engine/kernels/paged_attention_cpu.cpp), from this many:
+# a lone prompt's prefill on 2 threads of that Xeon 66-70 against 71-74 ms at 256 tokens, 130-133 against 138-142 at
+# 512, 283-286 against 274-280 at 1,024, 755-767 against 682-689 at 2,048 (README).
+SDPA_MIN_TOKENS_AMX_TILES = 768
 
 
 class CpuAttention(TorchAttention):
@@ -156,6 +160,9 @@ class CpuAttention(TorchAttention):
         self.uses_token_rows = self.packed_keys
         from engine.kernels import cpu_has_amx
         self.sdpa_prefill = self.uses_token_rows and cpu_has_amx()  # context-free prompt chunks by SDPA (forward)
+        from engine.kernels import native_attention_amx
+        self.sdpa_min_tokens = SDPA_MIN_TOKENS_AMX_TILES if self.uses_token_rows and native_attention_amx() \
+            else SDPA_MIN_TOKENS
         self.query_tiles = True  # EngineConfig.attention_query_tiles: prompt rows in the kernel's query tiles
 
     def key_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -181,11 +188,11 @@ class CpuAttention(TorchAttention):
             # Every new token, decode or prefill, is one row of the decode kernel: its request's blocks, causal up
             # to its own position (its K/V were just written). Faster than SDPA on prefill chunks on Zen 4 (~2.5x at
             # 256 tokens), and one parallel call for the whole step. Where the CPU has AMX, torch's flash attention
-            # multiplies with its tiles: a chunk of SDPA_MIN_TOKENS or more with no context runs there instead.
+            # multiplies with its tiles: a chunk of sdpa_min_tokens or more with no context runs there instead.
             seq_lens = meta.token_positions + 1
             start = 0
             for chunk in (meta.prefills if self.sdpa_prefill else []):
-                if chunk.context_len or chunk.query_len < SDPA_MIN_TOKENS:
+                if chunk.context_len or chunk.query_len < self.sdpa_min_tokens:
                     continue
                 s, n = chunk.query_start, chunk.query_len
                 if s > start:

@@ -117,14 +117,14 @@ def test_a_long_prefill_as_token_rows_is_split_between_threads_by_work_with_the_
 @pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
                                                                    "keys stay in the plain layout")
 def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_same_attention():
-    """Where the CPU has AMX, a prompt chunk of SDPA_MIN_TOKENS or more with no context runs in SDPA; the rows
+    """Where the CPU has AMX, a prompt chunk of sdpa_min_tokens or more with no context runs in SDPA; the rows
     around it (decodes, a chunk with context, a short chunk) stay on the native kernel."""
     from engine import kernels
-    from engine.attention import SDPA_MIN_TOKENS
 
     torch.manual_seed(0)
     D, BS, dtype = 64, 16, torch.bfloat16
     backend = CpuAttention(9, 3, D, BS, dtype)
+    SDPA_MIN_TOKENS = backend.sdpa_min_tokens
     k_cache, v_cache = torch.zeros(backend.key_cache_shape(64), dtype=dtype), torch.zeros(64, 3, BS, D, dtype=dtype)
     # a decode at context 20, a long fresh prompt, a chunk of 5 after 30 cached tokens, a short fresh prompt
     lengths, new, cached = [21, SDPA_MIN_TOKENS + 9, 35, 7], [1, SDPA_MIN_TOKENS + 9, 5, 7], [20, 0, 30, 0]
@@ -169,11 +169,25 @@ def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_sa
         assert torch.equal(split[other], rows_only[other])
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def query_tile_kernel(request):
+    """The query tiles on AMX where this CPU and build have them, and on AVX512-BF16's vdpbf16ps."""
+    from engine.kernels import native_attention_amx
+
+    if request.param == "amx" and not native_attention_amx():
+        pytest.skip("no AMX tiles for the attention kernel here")
+    before = native_attention_amx()
+    torch.ops.tokenline.attention_amx(1 if request.param == "amx" else 0)
+    yield request.param
+    torch.ops.tokenline.attention_amx(1 if before else 0)
+
+
 @pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
                                                                    "keys stay in the plain layout")
 @pytest.mark.parametrize("head_dim, block_size, heads", [(64, 16, (9, 3)), (128, 16, (8, 2)), (64, 32, (4, 4)),
-                                                         (64, 16, (16, 1))])
-def test_prompt_rows_in_query_tiles_match_the_same_rows_one_by_one_and_dense_attention(head_dim, block_size, heads):
+                                                         (64, 16, (16, 1)), (64, 48, (9, 3))])
+def test_prompt_rows_in_query_tiles_match_the_same_rows_one_by_one_and_dense_attention(head_dim, block_size, heads,
+                                                                                        query_tile_kernel):
     """Eight or more consecutive rows of one sequence go through the kernel's query tiles (16 query vectors in
     the lanes of a register, an online softmax); rows in any other order go one by one. Both agree with dense
     attention. The step mixes a decode, a chunk of 37 after 45 cached tokens, a chunk of 18 after 82 whose

@@ -149,6 +149,12 @@ def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_keys_supported(block_size, head_dim, group))
 
 
+def native_attention_amx() -> bool:
+    """Whether the attention kernel's query tiles (prompt rows) run on AMX tiles in this process; where the build and
+    Linux allow it, on unless torch.ops.tokenline.attention_amx(0) turned them off."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.attention_amx())
+
+
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            query_tiles: bool = True) -> None:

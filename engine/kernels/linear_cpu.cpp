@@ -23,13 +23,13 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TOKENLINE_HAS_BF16_DOT 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TOKENLINE_HAS_AMX 1
+#define TOKENLINE_HAS_AMX 1  // amx_permitted and TileConfig: vec_math.h
 #endif
 #endif
 
@@ -269,15 +269,6 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
 // row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows and are
 // ahead only from about 96 (README: the engine, Where the CPU has AMX).
 
-// Linux lends a process the 8 KB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 // Rows of x from which packed_linear runs on AMX tiles (0: never); set by linear_amx_min_rows.
 std::atomic<int64_t> g_amx_min_rows{-1};  // -1: not chosen yet (the default, kAmxMinRows, where the CPU permits)
 constexpr int64_t kAmxMinRows = 1;  // at one row too: 20-22 against 22-24 ms for the model on one thread
@@ -287,14 +278,6 @@ int64_t amx_min_rows() {
   if (v < 0) v = amx_permitted() ? kAmxMinRows : 0;
   return v;
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: C, an accumulator of mt rows by 16 outputs for each of up to four blocks; 4: A (mt rows by 32 k);
 // 5-7: B (16 k pairs by 16 outputs), taken in turn so that a load need not wait for the multiply before it.
