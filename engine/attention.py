@@ -137,9 +137,10 @@ class TorchAttention(AttentionBackend):
 # Xeon with AMX, 96 against 253 at 1,024; at 64 tokens 2.0 against 1.5 (README).
 SDPA_MIN_TOKENS = 128
 # ... where the native kernel's query tiles run on AMX too (engine/kernels/paged_attention_cpu.cpp), from this many:
-# a lone prompt's prefill on 2 threads of that Xeon 66-70 against 71-74 ms at 256 tokens, 130-133 against 138-142 at
-# 512, 283-286 against 274-280 at 1,024, 755-767 against 682-689 at 2,048 (README).
-SDPA_MIN_TOKENS_AMX_TILES = 768
+# a lone prompt's prefill step on 2 threads of that Xeon 66-70 against SDPA's 71-74 ms at 256 tokens, 130-133 against
+# 138-142 at 512 (before the softmax's rescale was vectorised, which took 20-28% off the kernel's attention), then
+# 265-297 against 270-278 at 1,024, 665-681 against 611-763 at 2,048 (README).
+SDPA_MIN_TOKENS_AMX_TILES = 1024
 
 
 class CpuAttention(TorchAttention):

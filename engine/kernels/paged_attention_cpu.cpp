@@ -513,7 +513,7 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
   const int64_t k_row_bytes = block_size * 4;
   const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-1e30f);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512(), sixteen = _mm512_set1_epi32(16);
   for (int64_t t0 = 0; t0 < last_len; t0 += 32) {
     const int64_t n = std::min<int64_t>(32, last_len - t0);  // tokens past n: masked scores, zero values
     // The two halves' keys (a half past the sequence reads the first half's keys again: masked).
@@ -556,22 +556,34 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
       float* m = s.m.data() + sub * 16;
       float* l = s.l.data() + sub * 16;
       const int32_t* len = s.len.data() + sub * 16;
-      alignas(64) float alpha[16];
+      // The rows' scores scaled and masked (in place) and their maxima; then each row's new max and rescale
+      // factor for all 16 rows at once; then the probabilities and their sums.
+      alignas(64) float row_max[16], row_sum[16], alpha[16];
       for (int64_t r = 0; r < 16; ++r) {
         const __m512i limit = _mm512_set1_epi32(static_cast<int>(len[r] - t0));
-        const __mmask16 v0 = _mm512_cmpgt_epi32_mask(limit, iota);
-        const __mmask16 v1 = _mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, _mm512_set1_epi32(16)));
-        const __m512 s0 = _mm512_mask_mul_ps(floor, v0, _mm512_load_ps(s.s + r * 32), vscale);
-        const __m512 s1 = _mm512_mask_mul_ps(floor, v1, _mm512_load_ps(s.s + r * 32 + 16), vscale);
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const __m512 vm = _mm512_set1_ps(m_new);
-        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp512(_mm512_sub_ps(s0, vm)));
-        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp512(_mm512_sub_ps(s1, vm)));
-        alpha[r] = std::exp(m[r] - m_new);
-        m[r] = m_new;
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        const __m512 s0 = _mm512_mask_mul_ps(floor, _mm512_cmpgt_epi32_mask(limit, iota),
+                                             _mm512_load_ps(s.s + r * 32), vscale);
+        const __m512 s1 = _mm512_mask_mul_ps(floor, _mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, sixteen)),
+                                             _mm512_load_ps(s.s + r * 32 + 16), vscale);
+        _mm512_store_ps(s.s + r * 32, s0);
+        _mm512_store_ps(s.s + r * 32 + 16, s1);
+        row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      }
+      const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(m_old, _mm512_load_ps(row_max));
+      _mm512_store_ps(alpha, exp512(_mm512_sub_ps(m_old, m_new)));
+      _mm512_storeu_ps(m, m_new);
+      for (int64_t r = 0; r < 16; ++r) {
+        const __m512 vm = _mm512_set1_ps(m[r]);
+        // A masked score's exp (floor - max) is 0 unless the row has seen no token yet: zeroed by its mask.
+        const __m512i limit = _mm512_set1_epi32(static_cast<int>(len[r] - t0));
+        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit, iota),
+                                              exp512(_mm512_sub_ps(_mm512_load_ps(s.s + r * 32), vm)));
+        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, sixteen)),
+                                              exp512(_mm512_sub_ps(_mm512_load_ps(s.s + r * 32 + 16), vm)));
+        row_sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
         _mm512_store_si512(s.p + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       }
+      _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_load_ps(alpha), _mm512_load_ps(row_sum)));
       float* o = s.o.data() + sub * 16 * head_dim;
       for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         _tile_zero(4);
