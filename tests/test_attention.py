@@ -125,11 +125,12 @@ def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_sa
     D, BS, dtype = 64, 16, torch.bfloat16
     backend = CpuAttention(9, 3, D, BS, dtype)
     SDPA_MIN_TOKENS = backend.sdpa_min_tokens
-    k_cache, v_cache = torch.zeros(backend.key_cache_shape(64), dtype=dtype), torch.zeros(64, 3, BS, D, dtype=dtype)
     # a decode at context 20, a long fresh prompt, a chunk of 5 after 30 cached tokens, a short fresh prompt
     lengths, new, cached = [21, SDPA_MIN_TOKENS + 9, 35, 7], [1, SDPA_MIN_TOKENS + 9, 5, 7], [20, 0, 30, 0]
+    pool = 8 + sum(-(-n // BS) for n in lengths)
+    k_cache, v_cache = torch.zeros(backend.key_cache_shape(pool), dtype=dtype), torch.zeros(pool, 3, BS, D, dtype=dtype)
     seqs = [tuple(torch.randn(n, h, D, dtype=dtype) for h in (9, 3, 3)) for n in lengths]
-    tables, free = [], torch.randperm(64).tolist()
+    tables, free = [], torch.randperm(pool).tolist()
     for n in lengths:
         tables.append(free[:-(-n // BS)])
         free = free[-(-n // BS):]
