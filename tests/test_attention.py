@@ -170,17 +170,26 @@ def test_a_long_context_free_prompt_chunk_by_sdpa_beside_token_rows_gives_the_sa
         assert torch.equal(split[other], rows_only[other])
 
 
-@pytest.fixture(params=["amx", "avx512"])
-def query_tile_kernel(request):
-    """The query tiles on AMX where this CPU and build have them, and on AVX512-BF16's vdpbf16ps."""
+def _attention_amx() -> bool:
     from engine.kernels import native_attention_amx
 
-    if request.param == "amx" and not native_attention_amx():
-        pytest.skip("no AMX tiles for the attention kernel here")
-    before = native_attention_amx()
+    return native_attention_amx()
+
+
+# The query tiles on AVX512-BF16's vdpbf16ps, and on AMX where this CPU and build have them.
+QUERY_TILE_KERNELS = ["avx512"] + (["amx"] if _attention_amx() else [])
+
+
+@pytest.fixture(params=QUERY_TILE_KERNELS)
+def query_tile_kernel(request):
+    """Runs the test on one of the query tiles' kernels, then restores the switch (after the skip marks: a CPU
+    without packed keys never gets here)."""
+    before = _attention_amx()
     torch.ops.tokenline.attention_amx(1 if request.param == "amx" else 0)
-    yield request.param
-    torch.ops.tokenline.attention_amx(1 if before else 0)
+    try:
+        yield request.param
+    finally:
+        torch.ops.tokenline.attention_amx(1 if before else 0)
 
 
 @pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
