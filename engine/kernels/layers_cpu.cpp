@@ -64,7 +64,6 @@ inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
 inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
 // One bf16 row of rms_norm: the residual add (stored rounded), the sum of squares, the scaled output.
 void rms_norm_row(c10::BFloat16* o, const c10::BFloat16* x, c10::BFloat16* r, const c10::BFloat16* w, int64_t dim,

@@ -451,6 +451,24 @@ inline void tile_chunk(const uint32_t* qt, const uint32_t* kb, int64_t bs, const
   }
 }
 
+// vp[j][d] = (v_2j[d], v_2j+1[d]) in one 32-bit word for token pairs j < token_pairs: a chunk's values as both
+// query-tile kernels' weighted values read them (each probability pair of a query meets a value pair). row(t): token
+// t's value row of head_dim bf16, or nullptr past the chunk's tokens (zeros: weighted by 0, and no NaN from a
+// block's unwritten slots).
+template <typename Row>
+inline void interleave_value_pairs(uint32_t* vp, int64_t token_pairs, int64_t head_dim, const Row& row) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < token_pairs; ++j) {
+    const uint16_t* a = row(2 * j);
+    const uint16_t* b = row(2 * j + 1);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d))) : zero;
+      const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))) : zero;
+      _mm512_storeu_si512(vp + j * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENLINE_ATTENTION_AMX 1
 // The same query tiles on AMX (Sapphire Rapids and later Xeons), flash attention over chunks of 32 tokens: a tile
@@ -513,7 +531,7 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
   const int64_t k_row_bytes = block_size * 4;
   const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-1e30f);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i zero = _mm512_setzero_si512(), sixteen = _mm512_set1_epi32(16);
+  const __m512i sixteen = _mm512_set1_epi32(16);
   for (int64_t t0 = 0; t0 < last_len; t0 += 32) {
     const int64_t n = std::min<int64_t>(32, last_len - t0);  // tokens past n: masked scores, zero values
     // The two halves' keys (a half past the sequence reads the first half's keys again: masked).
@@ -522,24 +540,11 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
       const int64_t t = c * 16 < n ? t0 + c * 16 : t0;
       kb[c] = keys + table[t / block_size] * block_k + t % block_size;
     }
-    for (int64_t j = 0; j < 16; ++j) {  // token pair j: tokens t0 + 2j and t0 + 2j + 1
-      const int64_t ta = 2 * j, tb = 2 * j + 1;
-      const uint16_t* va = ta < n ? reinterpret_cast<const uint16_t*>(v_cache) +
-                                        table[(t0 + ta) / block_size] * block_v +
-                                        (h * block_size + (t0 + ta) % block_size) * head_dim
-                                  : nullptr;
-      const uint16_t* vb = tb < n ? reinterpret_cast<const uint16_t*>(v_cache) +
-                                        table[(t0 + tb) / block_size] * block_v +
-                                        (h * block_size + (t0 + tb) % block_size) * head_dim
-                                  : nullptr;
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        const __m512i lo = va ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + d)))
-                              : zero;
-        const __m512i hi = vb ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + d)))
-                              : zero;
-        _mm512_storeu_si512(s.vp.data() + j * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-    }
+    interleave_value_pairs(s.vp.data(), 16, head_dim, [&](int64_t t) -> const uint16_t* {  // may cross a block
+      if (t >= n) return nullptr;
+      return reinterpret_cast<const uint16_t*>(v_cache) + table[(t0 + t) / block_size] * block_v +
+             (h * block_size + (t0 + t) % block_size) * head_dim;
+    });
     for (int64_t sub = 0; sub < subs; ++sub) {
       const c10::BFloat16* qa = s.qa.data() + sub * 16 * head_dim;
       _tile_zero(2);
@@ -651,7 +656,6 @@ void prefill_tile(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
   const int64_t block_k = num_kv_heads * pairs * block_size;  // 32-bit words (bf16 pairs) of a block of K
   const int64_t block_v = num_kv_heads * block_size * head_dim;
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i zero = _mm512_setzero_si512();
   for (int64_t t0 = 0; t0 < last_len; t0 += 16) {
     const int64_t block = table[t0 / block_size], offset = t0 % block_size;
     const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_cache) + block * block_k + h * pairs * block_size +
@@ -659,17 +663,8 @@ void prefill_tile(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
     const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache) + block * block_v +
                          (h * block_size + offset) * head_dim;
     const int64_t n = std::min<int64_t>(16, last_len - t0);  // tokens past n: zero values (weighted by 0)
-    for (int64_t j = 0; j < 8; ++j) {
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        const __m512i lo = 2 * j < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                           reinterpret_cast<const __m256i*>(vb + 2 * j * head_dim + d)))
-                                     : zero;
-        const __m512i hi = 2 * j + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                               reinterpret_cast<const __m256i*>(vb + (2 * j + 1) * head_dim + d)))
-                                         : zero;
-        _mm512_storeu_si512(s.vp.data() + j * head_dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-    }
+    interleave_value_pairs(s.vp.data(), 8, head_dim,
+                           [&](int64_t t) { return t < n ? vb + t * head_dim : nullptr; });  // one block
     for (int64_t sub = 0; sub < subs; ++sub)
       tile_chunk<NV>(s.qt.data() + sub * pairs * 16, kb, block_size, s.vp.data(), t0, vscale, s.len.data() + sub * 16,
                      s.m.data() + sub * 16, s.l.data() + sub * 16, s.o.data() + sub * head_dim * 16);

@@ -50,7 +50,6 @@ struct RowMax {
 };
 
 #ifdef __AVX512F__
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
 RowMax row_max(const float* x, int64_t n) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());

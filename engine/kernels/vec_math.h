@@ -5,6 +5,11 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include <cstdint>
+
+// The first n lanes (all 16 from n = 16 on): a masked load or store of a row's tail.
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
 // exp(x) to about 2 ulp over fp32's range: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r, then
 // 2^n by scalef (which saturates to inf and flushes to 0 past the range).
 inline __m512 exp512(__m512 x) {
