@@ -341,6 +341,80 @@ inline void store_tiles(const float* c, int64_t rows, int64_t nr, const float* b
   }
 }
 
+// Two row tiles against two blocks (R, B in {1, 2}) over k tiles [k0, k1): C tiles 0-3 = [row tile][block], A tiles
+// 4-5, B tiles 6-7, each k step 2 + 2 tile loads for 4 multiplies (tile loads, not multiplies, bound this loop).
+// x is the copy below ([row tile][k tile][16 rows][32 k]), `a_rt` elements from one row tile to the next. The sums
+// start from zero at k0 = 0, else from c; they go to c [R][B][16][16] fp32.
+// Lines [line, end) of up to two weight streams to ask for into L2, per_step of each a k step.
+struct TilePrefetch {
+  const char* const* streams;
+  int64_t line, end, per_step;
+  inline void step() {
+    for (int64_t i = 0; i < per_step && line < end; ++i, ++line) {
+      if (streams[0]) _mm_prefetch(streams[0] + line * 64, _MM_HINT_T1);
+      if (streams[1]) _mm_prefetch(streams[1] + line * 64, _MM_HINT_T1);
+    }
+  }
+};
+
+template <int R, int B>
+inline void amx_tiles_2x2(const uint16_t* x, int64_t a_rt, const uint16_t* w, int64_t block_elems, int64_t k0,
+                          int64_t k1, float* c, TilePrefetch& pf) {
+  if (k0 == 0) {
+    _tile_zero(0);
+    if constexpr (B > 1) _tile_zero(1);
+    if constexpr (R > 1) _tile_zero(2);
+    if constexpr (R > 1 && B > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, 64);
+    if constexpr (B > 1) _tile_loadd(1, c + 256, 64);
+    if constexpr (R > 1) _tile_loadd(2, c + B * 256, 64);
+    if constexpr (R > 1 && B > 1) _tile_loadd(3, c + 3 * 256, 64);
+  }
+  for (int64_t kt = k0; kt < k1; ++kt) {
+    const uint16_t* xk = x + kt * 512;
+    const uint16_t* wk = w + kt * 512;
+    pf.step();
+    _tile_loadd(4, xk, 64);
+    _tile_loadd(6, wk, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (B > 1) {
+      _tile_loadd(7, wk + block_elems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (R > 1) {
+      _tile_loadd(5, xk + a_rt, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (B > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (B > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (R > 1) _tile_stored(2, c + B * 256, 64);
+  if constexpr (R > 1 && B > 1) _tile_stored(3, c + 3 * 256, 64);
+}
+
+// store_tiles for up to two blocks; two whole blocks into bf16 as one 64-byte store a row (a line written whole,
+// not in halves a block apart).
+template <typename out_t>
+inline void store_tile_pair(const float* c, int64_t rows, int64_t nb, const float* bias, out_t* op, int64_t o_stride,
+                            int64_t r0, int64_t b0, int64_t n) {
+  if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+    const int64_t col = b0 * kBlock;
+    if (nb == 2 && col + 2 * kBlock <= n) {
+      const __m512 b_lo = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+      const __m512 b_hi = bias ? _mm512_loadu_ps(bias + col + kBlock) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + i * 16), b_lo);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + 256 + i * 16), b_hi);
+        _mm512_storeu_si512(op + (r0 + i) * o_stride + col, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      return;
+    }
+  }
+  store_tiles(c, rows, nb, bias, op, o_stride, r0, b0, n);
+}
+
 template <typename out_t>
 void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), k_tiles = pairs / 16;
@@ -349,45 +423,114 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  // Up to 16 rows: one row tile read from x as it lies (tiles configured to m rows). More: x copied tile by tile,
-  // [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a multiple of 16, so that every tile is
-  // full (one configuration for the whole call) and an A tile is 1 KB in one piece, as a B tile is.
-  const uint16_t* xp = xs;
-  int64_t x_bytes = x.stride(0) * 2, a_step = 32, tile_rows = m;
-  if (m > 16) {
-    const int64_t padded = (m + 15) / 16 * 16, tile_elems = 16 * 32, xs_stride = x.stride(0);
-    thread_local std::vector<uint16_t> xbuf;
-    xbuf.resize(padded * k);
-    uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
-    at::parallel_for(0, padded / 16, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t rt = begin; rt < end; ++rt)
-        for (int64_t kt = 0; kt < k_tiles; ++kt) {
-          uint16_t* dst = xt + (rt * k_tiles + kt) * tile_elems;
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t r = rt * 16 + i;
-            if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
-            else std::memset(dst + i * 32, 0, 64);
-          }
-        }
-    });
-    xp = xt, x_bytes = 64, a_step = tile_elems, tile_rows = 16;
-  }
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kGroup * 256];
-    configure_tiles(tile_rows);
-    for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
-      const int64_t nr = std::min<int64_t>(kGroup, end - b0);
-      const uint16_t* w = wp + b0 * block_elems;
-      for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        const uint16_t* xr = xp + r0 * k;  // the r0 / 16-th row tile of the copy (r0 is 0 without one)
+  if (m <= 16) {
+    // One row tile read from x as it lies (tiles configured to m rows) against up to four blocks at a time: the
+    // weights stream once, at the memory's rate.
+    const int64_t x_bytes = x.stride(0) * 2;
+    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float c[kGroup * 256];
+      configure_tiles(m);
+      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
+        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
+        const uint16_t* w = wp + b0 * block_elems;
         switch (nr) {
-          case 1: amx_tile_blocks<1>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          case 2: amx_tile_blocks<2>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          case 3: amx_tile_blocks<3>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          default: amx_tile_blocks<4>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          case 1: amx_tile_blocks<1>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          case 2: amx_tile_blocks<2>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          case 3: amx_tile_blocks<3>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
+          default: amx_tile_blocks<4>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
         }
-        store_tiles(c, std::min<int64_t>(16, m - r0), nr, bias, op, o_stride, r0, b0, n);
+        store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
+      }
+      _tile_release();
+    });
+    return;
+  }
+  // More rows: x copied tile by tile, [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a
+  // multiple of 16, so that every tile is full and an A tile is 1 KB in one piece, as a B tile is; the copy starts
+  // on a cache line (tile rows straddling two lines load 2-3x slower).
+  const int64_t row_tiles = (m + 15) / 16, tile_elems = 16 * 32, xs_stride = x.stride(0);
+  const int64_t a_rt = k_tiles * tile_elems;
+  thread_local LineVector<uint16_t> xbuf;
+  xbuf.resize(row_tiles * a_rt);
+  uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
+  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rt = begin; rt < end; ++rt)
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        uint16_t* dst = xt + rt * a_rt + kt * tile_elems;
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t r = rt * 16 + i;
+          if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
+          else std::memset(dst + i * 32, 0, 64);
+        }
+      }
+  });
+  if (row_tiles <= 3) {
+    // Up to 48 rows: each group of four blocks' weights streams once past every row tile (the 2 x 2 tiles below
+    // take 1.1-1.2x as long here: the pair's weights come from memory and the row tiles are too few to hide it).
+    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float c[kGroup * 256];
+      configure_tiles(16);
+      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
+        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
+        const uint16_t* w = wp + b0 * block_elems;
+        for (int64_t rt = 0; rt < row_tiles; ++rt) {
+          const uint16_t* xr = xt + rt * a_rt;
+          switch (nr) {
+            case 1: amx_tile_blocks<1>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
+            case 2: amx_tile_blocks<2>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
+            case 3: amx_tile_blocks<3>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
+            default: amx_tile_blocks<4>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
+          }
+          store_tiles(c, std::min<int64_t>(16, m - rt * 16), nr, bias, op, o_stride, rt * 16, b0, n);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+  // From 64 rows: each thread takes two blocks at a time across every pair of row tiles (the copy stays in L2),
+  // K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row tiles stream
+  // past); each pair of row tiles keeps its partial sums in `part` between chunks.
+  const int64_t chunks = (k_tiles + 8) / 9, chunk = (k_tiles + chunks - 1) / chunks;
+  const int64_t row_pairs = (row_tiles + 1) / 2, pairs_of_blocks = (blocks + 1) / 2;
+  at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local LineVector<float> part;
+    part.resize(row_pairs * 4 * 256);
+    configure_tiles(16);
+    for (int64_t bp = begin; bp < end; ++bp) {
+      const int64_t b0 = bp * 2, nb = std::min<int64_t>(2, blocks - b0);
+      const uint16_t* w = wp + b0 * block_elems;
+      for (int64_t k0 = 0; k0 < k_tiles; k0 += chunk) {
+        const int64_t k1 = std::min<int64_t>(k_tiles, k0 + chunk);
+        // The weights this thread takes next (the pair's next chunk, else the next pair's first) come from memory:
+        // tile loads do not set off the hardware's prefetch, so each pair of row tiles asks for its share into L2.
+        const char* next[2] = {nullptr, nullptr};
+        int64_t next_lines = 0;
+        if (k1 < k_tiles || bp + 1 < end) {
+          const int64_t nb0 = k1 < k_tiles ? b0 : b0 + 2, nk0 = k1 < k_tiles ? k1 : 0;
+          const int64_t nk1 = std::min<int64_t>(k_tiles, nk0 + chunk);
+          for (int64_t j = 0; j < 2 && nb0 + j < blocks; ++j)
+            next[j] = reinterpret_cast<const char*>(wp + (nb0 + j) * block_elems + nk0 * 512);
+          next_lines = (nk1 - nk0) * 16;  // 1 KB a k tile
+        }
+        for (int64_t rp = 0; rp < row_pairs; ++rp) {
+          const int64_t rt = rp * 2, nrt = std::min<int64_t>(2, row_tiles - rt);
+          // Its share of the lines, a few each k step (a burst of prefetches would stall on the fill buffers).
+          TilePrefetch pf{next, rp * next_lines / row_pairs, (rp + 1) * next_lines / row_pairs, 0};
+          pf.per_step = (pf.end - pf.line + (k1 - k0) - 1) / (k1 - k0);
+          const uint16_t* xr = xt + rt * a_rt;
+          float* c = part.data() + rp * 4 * 256;
+          if (nrt == 2 && nb == 2) amx_tiles_2x2<2, 2>(xr, a_rt, w, block_elems, k0, k1, c, pf);
+          else if (nrt == 2) amx_tiles_2x2<2, 1>(xr, a_rt, w, block_elems, k0, k1, c, pf);
+          else if (nb == 2) amx_tiles_2x2<1, 2>(xr, a_rt, w, block_elems, k0, k1, c, pf);
+          else amx_tiles_2x2<1, 1>(xr, a_rt, w, block_elems, k0, k1, c, pf);
+          if (k1 == k_tiles)
+            for (int64_t i = 0; i < nrt; ++i)
+              store_tile_pair(c + i * nb * 256, std::min<int64_t>(16, m - (rt + i) * 16), nb, bias, op, o_stride,
+                              (rt + i) * 16, b0, n);
+        }
       }
     }
     _tile_release();

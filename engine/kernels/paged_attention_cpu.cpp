@@ -485,9 +485,10 @@ std::atomic<bool> g_attention_amx{true};  // attention_amx(0) turns the tiles of
 inline bool attention_amx_on() { return amx_permitted() && g_attention_amx.load(std::memory_order_relaxed); }
 
 struct AmxScratch {
-  std::vector<c10::BFloat16> qa;  // [sub-tile][16][head_dim]: the query vectors as the A tile's rows
-  std::vector<uint32_t> vp;      // [16 token pairs][head_dim]: the chunk's values interleaved in pairs
-  std::vector<float> o;          // [sub-tile][16][head_dim], fp32
+  // The tiles' sources start on a cache line (LineVector, vec_math.h): rows straddling two lines load 2-3x slower.
+  LineVector<c10::BFloat16> qa;  // [sub-tile][16][head_dim]: the query vectors as the A tile's rows
+  LineVector<uint32_t> vp;       // [16 token pairs][head_dim]: the chunk's values interleaved in pairs
+  LineVector<float> o;           // [sub-tile][16][head_dim], fp32
   std::vector<float> m, l;       // [sub-tile][16]
   std::vector<int32_t> len;      // [sub-tile][16]
   alignas(64) float s[16 * 32];  // one chunk's scores of one sub-tile

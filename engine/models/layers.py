@@ -59,15 +59,17 @@ def linears_described(packing: str | None, native_max_rows: int | None) -> str:
 
 # Natively packed linears hand steps of more rows than this to oneDNN's prepacked kernel where the CPU has AMX.
 # Where the native kernel runs on AMX tiles itself (built on such a CPU, and Linux lends the process the tile
-# state), it streams a step's weights at the memory's rate up to 16 rows, and is ahead of oneDNN's kernels up to
-# 80 rows, about level at 80-96 and behind from about 112 (a step's linears on 1 / 2 threads: 36.7 / 20.2 ms
-# against 40.2 / 22.6 at 64 rows, 40.9 / 23.8 against 44.6 / 23.6 at 80; `python -m benchmarks.linear_crossover`,
-# README). Where it has only the
+# state), it streams a step's weights at the memory's rate up to 16 rows, is ahead of oneDNN's kernels up to 80
+# rows, and from 64 rows takes two row tiles against two blocks of outputs with K in chunks that stay in L1: level
+# with oneDNN's linears alone up to 320 rows (`python -m benchmarks.linear_crossover`), and a whole prefill step of
+# 256 tokens runs 1.2-1.6x faster on it than on oneDNN (`make step-breakdown BENCH_ARGS="--batches 1
+# --native-linear-max-rows 80"` against 320: 105 / 88 ms on one thread, 80-83 / 51-61 on two), the steps' other
+# kernels included. Where it has only the
 # AVX512-BF16 dot products, up to 6 rows (one of its row tiles): 18.5 against 22.7 ms a decode step at 6 rows on
 # 2 threads, 26.8 against 25.4 at 8 (`make step-breakdown`, README).
 # A fixed rule rather than a measurement at start-up: every replica of a machine type then runs the same kernels
 # on the same steps, so their answers agree.
-AMX_TILES_MAX_ROWS = 80
+AMX_TILES_MAX_ROWS = 320
 AMX_NATIVE_MAX_ROWS = 6
 
 
