@@ -44,6 +44,8 @@ def linear_kinds(args: ModelArgs) -> dict[tuple[int, int], str]:
 
 
 def op_kind(name: str, shapes: list, kinds: dict[tuple[int, int], str]) -> str:
+    if "linear_silu_mul" in name:  # gate/up's linear with SiLU-and-mul in its epilogue (Linear.silu_mul)
+        return "gate_up_proj + silu"
     if "linear" in name:  # packed_linear(out, x, ...), mkldnn::_linear_pointwise(x, w), aten::linear(x, w)
         try:
             out, x = (shapes[0], shapes[1]) if "packed" in name else (None, shapes[0])

@@ -65,6 +65,25 @@ def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features,
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 17, 49, 64, 100, 391])  # 49 on: the tiles' fused path (one pair row tile at 49)
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (3072, 576), (1152, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_silu_mul_gives_silu_and_mul_of_the_linear_to_the_bit(rows, out_features, in_features, bias,
+                                                                       linear_kernel):
+    """Linear.silu_mul (a Llama MLP's gate_up_proj then SiLU-and-mul, fused on AMX tiles from 49 rows) against the
+    two ops apart, and against F.silu(gate) * up in fp32 within bf16's rounding."""
+    from engine.kernels import silu_and_mul
+    layer = linear(in_features, out_features, bias, "native")
+    x = torch.randn(2, rows, in_features).to(torch.bfloat16)  # leading dims: rows counted over both
+    got = layer.silu_mul(x)
+    assert got.shape == (2, rows, out_features // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got.reshape(2 * rows, -1), silu_and_mul(layer(x).reshape(2 * rows, out_features)))
+    gate, up = F.linear(x.float(), layer.weight.float(),
+                        None if layer.bias is None else layer.bias.float()).split(out_features // 2, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=5e-2, rtol=2e-2)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [5, 21])
 def test_native_linear_reads_strided_rows_and_keeps_leading_dims(rows, linear_kernel):
     layer = linear(64, 40, True, "native")

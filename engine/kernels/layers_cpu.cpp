@@ -92,13 +92,7 @@ void rms_norm_row(c10::BFloat16* o, const c10::BFloat16* x, c10::BFloat16* r, co
 void silu_and_mul_row(c10::BFloat16* dst, const c10::BFloat16* g, const c10::BFloat16* u, int64_t inter) {
   for (int64_t i = 0; i < inter; i += 16) {
     const __mmask16 m = tail_mask(inter - i);
-    const __m512 gv = load_bf16(g + i, m);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-    __m512 inv = _mm512_rcp14_ps(d);  // 1 / d to 14 bits, then one Newton step (about 23 bits), not a division
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
-    const __m512 silu = _mm512_mul_ps(gv, inv);
-    store_bf16(dst + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i, m)), m);
+    store_bf16(dst + i, silu_mul16(load_bf16(g + i, m), load_bf16(u + i, m)), m);
   }
 }
 #endif

@@ -11,6 +11,7 @@
 // exactly as the weights stream in, so a row's result does not depend on its neighbours. vpdpwssd runs at half
 // vdpbf16ps's rate here: from about 12 rows the bf16 kernel is faster (engine.models.layers picks).
 #include <ATen/Functions.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -341,7 +342,8 @@ inline void store_tiles(const float* c, int64_t rows, int64_t nr, const float* b
   }
 }
 
-// Two row tiles against two blocks (R, B in {1, 2}) over k tiles [k0, k1): C tiles 0-3 = [row tile][block], A tiles
+// Two row tiles against two blocks (R, B in {1, 2}; the second `second` elements after the first) over k tiles
+// [k0, k1): C tiles 0-3 = [row tile][block], A tiles
 // 4-5, B tiles 6-7, each k step 2 + 2 tile loads for 4 multiplies (tile loads, not multiplies, bound this loop).
 // x is the copy below ([row tile][k tile][16 rows][32 k]), `a_rt` elements from one row tile to the next. The sums
 // start from zero at k0 = 0, else from c; they go to c [R][B][16][16] fp32.
@@ -358,7 +360,7 @@ struct TilePrefetch {
 };
 
 template <int R, int B>
-inline void amx_tiles_2x2(const uint16_t* x, int64_t a_rt, const uint16_t* w, int64_t block_elems, int64_t k0,
+inline void amx_tiles_2x2(const uint16_t* x, int64_t a_rt, const uint16_t* w, int64_t second, int64_t k0,
                           int64_t k1, float* c, TilePrefetch& pf) {
   if (k0 == 0) {
     _tile_zero(0);
@@ -379,7 +381,7 @@ inline void amx_tiles_2x2(const uint16_t* x, int64_t a_rt, const uint16_t* w, in
     _tile_loadd(6, wk, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (B > 1) {
-      _tile_loadd(7, wk + block_elems, 64);
+      _tile_loadd(7, wk + second, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (R > 1) {
@@ -415,6 +417,100 @@ inline void store_tile_pair(const float* c, int64_t rows, int64_t nb, const floa
   store_tiles(c, rows, nb, bias, op, o_stride, r0, b0, n);
 }
 
+// x [M, K] copied tile by tile, [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a multiple
+// of 16, so that every tile is full and an A tile is 1 KB in one piece, as a B tile is; the copy starts on a cache
+// line (tile rows straddling two lines load 2-3x slower). The calling thread's buffer, valid until its next call.
+const uint16_t* tile_copy(const at::Tensor& x) {
+  const int64_t m = x.size(0), k_tiles = x.size(1) / 32, row_tiles = (m + 15) / 16, tile_elems = 16 * 32;
+  const int64_t a_rt = k_tiles * tile_elems, xs_stride = x.stride(0);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  thread_local LineVector<uint16_t> xbuf;
+  xbuf.resize(row_tiles * a_rt);
+  uint16_t* xt = xbuf.data();  // the workers below have their own thread_local
+  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rt = begin; rt < end; ++rt)
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        uint16_t* dst = xt + rt * a_rt + kt * tile_elems;
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t r = rt * 16 + i;
+          if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
+          else std::memset(dst + i * 32, 0, 64);
+        }
+      }
+  });
+  return xt;
+}
+
+// From 49 rows: each thread takes two blocks at a time across every pair of row tiles of the copy xt (which stays
+// in L2), K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row tiles stream
+// past); each pair of row tiles keeps its partial sums in `part` between chunks. kSiluMul: the pairs are gate block
+// j and up block j (the second half of the outputs), and out [M, n / 2] gets silu(gate) * up, computed as
+// silu_and_mul computes it on the bf16 values packed_linear would have stored (silu_mul16, vec_math.h).
+template <typename out_t, bool kSiluMul>
+void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t a_rt, const uint16_t* wp,
+                         int64_t block_elems, int64_t blocks, const float* bias, out_t* op, int64_t o_stride,
+                         int64_t n) {
+  const int64_t row_tiles = (m + 15) / 16, row_pairs = (row_tiles + 1) / 2;
+  const int64_t chunks = (k_tiles + 8) / 9, chunk = (k_tiles + chunks - 1) / chunks;
+  const int64_t half = blocks / 2, pairs_of_blocks = kSiluMul ? half : (blocks + 1) / 2;
+  const int64_t second = kSiluMul ? half * block_elems : block_elems;  // elements from a pair's first block to its second
+  const auto first_block = [&](int64_t bp) { return kSiluMul ? bp : bp * 2; };
+  at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local LineVector<float> part;
+    part.resize(row_pairs * 4 * 256);
+    configure_tiles(16);
+    for (int64_t bp = begin; bp < end; ++bp) {
+      const int64_t b0 = first_block(bp), nb = kSiluMul ? 2 : std::min<int64_t>(2, blocks - b0);
+      const uint16_t* w = wp + b0 * block_elems;
+      for (int64_t k0 = 0; k0 < k_tiles; k0 += chunk) {
+        const int64_t k1 = std::min<int64_t>(k_tiles, k0 + chunk);
+        // The weights this thread takes next (the pair's next chunk, else the next pair's first) come from memory:
+        // tile loads do not set off the hardware's prefetch, so each pair of row tiles asks for its share into L2.
+        const char* next[2] = {nullptr, nullptr};
+        int64_t next_lines = 0;
+        if (k1 < k_tiles || bp + 1 < end) {
+          const int64_t nb0 = k1 < k_tiles ? b0 : first_block(bp + 1), nk0 = k1 < k_tiles ? k1 : 0;
+          const int64_t nk1 = std::min<int64_t>(k_tiles, nk0 + chunk);
+          const uint16_t* nw = wp + nb0 * block_elems + nk0 * 512;
+          next[0] = reinterpret_cast<const char*>(nw);
+          if (kSiluMul || nb0 + 1 < blocks) next[1] = reinterpret_cast<const char*>(nw + second);
+          next_lines = (nk1 - nk0) * 16;  // 1 KB a k tile
+        }
+        for (int64_t rp = 0; rp < row_pairs; ++rp) {
+          const int64_t rt = rp * 2, nrt = std::min<int64_t>(2, row_tiles - rt);
+          // Its share of the lines, a few each k step (a burst of prefetches would stall on the fill buffers).
+          TilePrefetch pf{next, rp * next_lines / row_pairs, (rp + 1) * next_lines / row_pairs, 0};
+          pf.per_step = (pf.end - pf.line + (k1 - k0) - 1) / (k1 - k0);
+          const uint16_t* xr = xt + rt * a_rt;
+          float* c = part.data() + rp * 4 * 256;
+          if (nrt == 2 && nb == 2) amx_tiles_2x2<2, 2>(xr, a_rt, w, second, k0, k1, c, pf);
+          else if (nrt == 2) amx_tiles_2x2<2, 1>(xr, a_rt, w, second, k0, k1, c, pf);
+          else if (nb == 2) amx_tiles_2x2<1, 2>(xr, a_rt, w, second, k0, k1, c, pf);
+          else amx_tiles_2x2<1, 1>(xr, a_rt, w, second, k0, k1, c, pf);
+          if (k1 < k_tiles) continue;
+          for (int64_t i = 0; i < nrt; ++i) {
+            const float* ci = c + i * nb * 256;
+            const int64_t rows = std::min<int64_t>(16, m - (rt + i) * 16), r0 = (rt + i) * 16;
+            if constexpr (kSiluMul) {
+              const int64_t col = b0 * kBlock;
+              const __m512 bg = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
+              const __m512 bu = bias ? _mm512_loadu_ps(bias + half * kBlock + col) : _mm512_setzero_ps();
+              for (int64_t r = 0; r < rows; ++r) {
+                const __m512 g = bf16_round(_mm512_add_ps(_mm512_load_ps(ci + r * 16), bg));
+                const __m512 u = bf16_round(_mm512_add_ps(_mm512_load_ps(ci + 256 + r * 16), bu));
+                store_out(op + (r0 + r) * o_stride + col, silu_mul16(g, u), (__mmask16)0xFFFF);
+              }
+            } else {
+              store_tile_pair(ci, rows, nb, bias, op, o_stride, r0, b0, n);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
 template <typename out_t>
 void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), k_tiles = pairs / 16;
@@ -446,25 +542,8 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
     });
     return;
   }
-  // More rows: x copied tile by tile, [row tile of 16][k tile of 32][16 rows][32 k], rows padded with zeros to a
-  // multiple of 16, so that every tile is full and an A tile is 1 KB in one piece, as a B tile is; the copy starts
-  // on a cache line (tile rows straddling two lines load 2-3x slower).
-  const int64_t row_tiles = (m + 15) / 16, tile_elems = 16 * 32, xs_stride = x.stride(0);
-  const int64_t a_rt = k_tiles * tile_elems;
-  thread_local LineVector<uint16_t> xbuf;
-  xbuf.resize(row_tiles * a_rt);
-  uint16_t* xt = xbuf.data();  // this thread's buffer: the workers below have their own thread_local
-  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rt = begin; rt < end; ++rt)
-      for (int64_t kt = 0; kt < k_tiles; ++kt) {
-        uint16_t* dst = xt + rt * a_rt + kt * tile_elems;
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t r = rt * 16 + i;
-          if (r < m) std::memcpy(dst + i * 32, xs + r * xs_stride + kt * 32, 64);
-          else std::memset(dst + i * 32, 0, 64);
-        }
-      }
-  });
+  const int64_t row_tiles = (m + 15) / 16, tile_elems = 16 * 32, a_rt = k_tiles * tile_elems;
+  const uint16_t* xt = tile_copy(x);
   if (row_tiles <= 3) {
     // Up to 48 rows: each group of four blocks' weights streams once past every row tile (the 2 x 2 tiles below
     // take 1.1-1.2x as long here: the pair's weights come from memory and the row tiles are too few to hide it).
@@ -490,51 +569,7 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
     });
     return;
   }
-  // From 64 rows: each thread takes two blocks at a time across every pair of row tiles (the copy stays in L2),
-  // K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row tiles stream
-  // past); each pair of row tiles keeps its partial sums in `part` between chunks.
-  const int64_t chunks = (k_tiles + 8) / 9, chunk = (k_tiles + chunks - 1) / chunks;
-  const int64_t row_pairs = (row_tiles + 1) / 2, pairs_of_blocks = (blocks + 1) / 2;
-  at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local LineVector<float> part;
-    part.resize(row_pairs * 4 * 256);
-    configure_tiles(16);
-    for (int64_t bp = begin; bp < end; ++bp) {
-      const int64_t b0 = bp * 2, nb = std::min<int64_t>(2, blocks - b0);
-      const uint16_t* w = wp + b0 * block_elems;
-      for (int64_t k0 = 0; k0 < k_tiles; k0 += chunk) {
-        const int64_t k1 = std::min<int64_t>(k_tiles, k0 + chunk);
-        // The weights this thread takes next (the pair's next chunk, else the next pair's first) come from memory:
-        // tile loads do not set off the hardware's prefetch, so each pair of row tiles asks for its share into L2.
-        const char* next[2] = {nullptr, nullptr};
-        int64_t next_lines = 0;
-        if (k1 < k_tiles || bp + 1 < end) {
-          const int64_t nb0 = k1 < k_tiles ? b0 : b0 + 2, nk0 = k1 < k_tiles ? k1 : 0;
-          const int64_t nk1 = std::min<int64_t>(k_tiles, nk0 + chunk);
-          for (int64_t j = 0; j < 2 && nb0 + j < blocks; ++j)
-            next[j] = reinterpret_cast<const char*>(wp + (nb0 + j) * block_elems + nk0 * 512);
-          next_lines = (nk1 - nk0) * 16;  // 1 KB a k tile
-        }
-        for (int64_t rp = 0; rp < row_pairs; ++rp) {
-          const int64_t rt = rp * 2, nrt = std::min<int64_t>(2, row_tiles - rt);
-          // Its share of the lines, a few each k step (a burst of prefetches would stall on the fill buffers).
-          TilePrefetch pf{next, rp * next_lines / row_pairs, (rp + 1) * next_lines / row_pairs, 0};
-          pf.per_step = (pf.end - pf.line + (k1 - k0) - 1) / (k1 - k0);
-          const uint16_t* xr = xt + rt * a_rt;
-          float* c = part.data() + rp * 4 * 256;
-          if (nrt == 2 && nb == 2) amx_tiles_2x2<2, 2>(xr, a_rt, w, block_elems, k0, k1, c, pf);
-          else if (nrt == 2) amx_tiles_2x2<2, 1>(xr, a_rt, w, block_elems, k0, k1, c, pf);
-          else if (nb == 2) amx_tiles_2x2<1, 2>(xr, a_rt, w, block_elems, k0, k1, c, pf);
-          else amx_tiles_2x2<1, 1>(xr, a_rt, w, block_elems, k0, k1, c, pf);
-          if (k1 == k_tiles)
-            for (int64_t i = 0; i < nrt; ++i)
-              store_tile_pair(c + i * nb * 256, std::min<int64_t>(16, m - (rt + i) * 16), nb, bias, op, o_stride,
-                              (rt + i) * 16, b0, n);
-        }
-      }
-    }
-    _tile_release();
-  });
+  amx_pairs_of_blocks<out_t, false>(xt, m, k_tiles, a_rt, wp, block_elems, blocks, bias, op, o_stride, n);
 }
 
 #endif  // TOKENLINE_HAS_AMX
@@ -639,6 +674,38 @@ void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 #endif
 }
 
+// out [M, n / 2] = silu(gate) * up, where x W^T (+ bias) = [gate | up] is gate_up's [M, n]: from 49 rows on AMX
+// tiles straight from the sums (gate/up's [M, n] never written, nor read back); otherwise packed_linear, then
+// silu_and_mul. Either way the bits packed_linear and silu_and_mul would give.
+void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(n % 2 == 0, "packed_linear_silu_mul: gate and up need n even, got ", n);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == n / 2 &&
+                  out.scalar_type() == at::kBFloat16,
+              "packed_linear_silu_mul: out must be a contiguous bf16 [M, n / 2]");
+#ifdef TOKENLINE_HAS_AMX
+  const int64_t amx_rows = amx_min_rows();
+  if (amx_rows > 0 && x.size(0) > 48 && x.size(0) >= amx_rows && packed.size(1) % 16 == 0 && (n / 2) % kBlock == 0 &&
+      packed.size(0) * kBlock == n && packed.scalar_type() == at::kBFloat16) {
+    check_linear_args(out, x, packed, n / 2);
+    at::Tensor bias_f;
+    const float* bp = float_data(bias, bias_f);
+    const uint16_t* xt = tile_copy(x);
+    const int64_t k_tiles = packed.size(1) / 16;
+    amx_pairs_of_blocks<c10::BFloat16, true>(xt, x.size(0), k_tiles, k_tiles * 512,
+                                             reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                                             packed.size(1) * 2 * kBlock, packed.size(0), bp,
+                                             out.data_ptr<c10::BFloat16>(), out.stride(0), n);
+    return;
+  }
+#endif
+  at::Tensor gate_up = at::empty({x.size(0), n}, x.options());
+  packed_linear(gate_up, x, packed, bias, n);
+  static const auto silu_and_mul =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tokenline::silu_and_mul", "").typed<void(at::Tensor&, const at::Tensor&)>();
+  silu_and_mul.call(out, gate_up);
+}
+
 // Rows of x from which packed_linear runs on AMX tiles: `rows` > 0 sets it, 0 turns the tiles off, a negative
 // value leaves it; returns the value in effect (0 where the build or the CPU has no AMX).
 int64_t linear_amx_min_rows(int64_t rows) {
@@ -676,6 +743,8 @@ TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
   m.def("packed_linear_int8(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n) -> ()");
   m.impl("packed_linear_int8", c10::DispatchKey::CPU, &packed_linear_int8);
+  m.def("packed_linear_silu_mul(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()");
+  m.impl("packed_linear_silu_mul", c10::DispatchKey::CPU, &packed_linear_silu_mul);
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
   m.def("linear_amx_min_rows(int rows=-1) -> int", &linear_amx_min_rows);
 }

@@ -36,6 +36,7 @@ struct Kernels {
   c10::TypedOperatorHandle<KvWriteFn> write_kv = kernel<KvWriteFn>("tokenline::write_kv_cache");
   c10::TypedOperatorHandle<AttentionFn> attention = kernel<AttentionFn>("tokenline::paged_decode_attention");
   c10::TypedOperatorHandle<LinearFn> linear = kernel<LinearFn>("tokenline::packed_linear");
+  c10::TypedOperatorHandle<LinearFn> linear_silu_mul = kernel<LinearFn>("tokenline::packed_linear_silu_mul");
   c10::TypedOperatorHandle<LinearInt8Fn> linear_int8 = kernel<LinearInt8Fn>("tokenline::packed_linear_int8");
 };
 
@@ -114,9 +115,13 @@ at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const 
     k.attention.call(attended, q, k_cache, v_cache, block_tables, seq_lens, scale, query_tiles);
     h = linear(attended, layer.linear(kO), hidden, int8_max_rows);
     h = rms_norm(h, layer.norm(1), residual, eps);
-    at::Tensor gate_up = linear(h, layer.linear(kGateUp), 2 * intermediate, int8_max_rows);
+    const OptTensor* gate_up_w = layer.linear(kGateUp);
     at::Tensor act = at::empty({tokens, intermediate}, x.options());
-    k.silu_and_mul.call(act, gate_up);
+    if (gate_up_w[2].has_value() && tokens <= int8_max_rows) {
+      k.silu_and_mul.call(act, linear(h, gate_up_w, 2 * intermediate, int8_max_rows));
+    } else {  // Linear.silu_mul: the same bits
+      k.linear_silu_mul.call(act, h, *gate_up_w[0], gate_up_w[1], 2 * intermediate);
+    }
     h = linear(act, layer.linear(kDown), hidden, int8_max_rows);
   }
   return rms_norm(h, *p.back(), residual, eps);

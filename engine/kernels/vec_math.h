@@ -49,6 +49,33 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// v rounded to bf16 (to nearest even) and back to fp32.
+inline __m512 bf16_round(__m512 v) {
+#ifdef __AVX512BF16__
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m256i bits =
+      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// silu(g) * u for bf16 values g and u (in fp32 lanes), silu rounded to bf16 before the product: silu_and_mul's
+// arithmetic, shared with the linear kernel that computes it straight from gate/up's sums. Its plain products and
+// sums are the explicitly rounded forms: under -ffast-math the compiler may reorder _mm512_mul_ps and _mm512_add_ps
+// (they are vector arithmetic to it) differently where each caller inlines them, and the two then disagree in the
+// last bit, which flips a bf16 rounding tie.
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 e = exp512(_mm512_sub_round_ps(_mm512_setzero_ps(), g, kNearest));
+  const __m512 d = _mm512_add_round_ps(_mm512_set1_ps(1.f), e, kNearest);
+  __m512 inv = _mm512_rcp14_ps(d);  // 1 / d to 14 bits, then one Newton step (about 23 bits), not a division:
+  inv = _mm512_fmadd_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(1.f)), inv);  // inv + inv (1 - d inv)
+  return _mm512_mul_round_ps(bf16_round(_mm512_mul_round_ps(g, inv, kNearest)), u, kNearest);
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)

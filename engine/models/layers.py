@@ -135,6 +135,23 @@ class Linear(nn.Module):
             # quantization int8: steps its int8 weights serve stay on them
             self.native_max_rows = max(rows, INT8_MAX_ROWS) if self.packed_int8 is not None else rows
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, where this layer's output is [gate | up] (a Llama MLP's gate_up_proj): natively packed
+        bf16 steps on the native kernel, which takes it straight from its sums on AMX tiles (the same bits as
+        silu_and_mul on its output); the rest through forward, then silu_and_mul."""
+        from engine.kernels import silu_and_mul
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        if (self.packing in ("native", "native-int8") and x.dtype == torch.bfloat16
+                and not (self.packed_onednn is not None and n > self.native_max_rows)
+                and not (self.packed_int8 is not None and n <= INT8_MAX_ROWS)):
+            if rows.stride(-1) != 1 or rows.stride(0) % 2:
+                rows = rows.contiguous()
+            out = torch.empty(n, self.out_features // 2, dtype=x.dtype, device=x.device)
+            torch.ops.tokenline.packed_linear_silu_mul(out, rows, self.packed, self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features // 2)
+        return silu_and_mul(self(x).reshape(n, self.out_features)).view(*x.shape[:-1], self.out_features // 2)
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`out_dtype` (the LM head asks for fp32 logits) saves a cast where the kernel can write it directly."""
         native = self.packing in ("native", "native-int8")

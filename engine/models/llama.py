@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelArgs
-from engine.kernels import rotary_embedding_, silu_and_mul
+from engine.kernels import rotary_embedding_
 from engine.loader import CheckpointTensor, as_checkpoint
 from engine.models.layers import INT8_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding
 from engine.tp_group import TensorParallelGroup
@@ -69,11 +69,10 @@ class MLP(nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.fused:
-            out = self.down_proj(silu_and_mul(gate_up))
+            out = self.down_proj(self.gate_up_proj.silu_mul(x))
         else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
             out = self.down_proj(F.silu(gate) * up)
         return out if self.group is None else self.group.all_reduce(out)
 
