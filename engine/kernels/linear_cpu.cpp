@@ -267,8 +267,10 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
 // one 1 KB B tile ([16 pairs][16 outputs][2 k], 64-byte rows) as they lie, a row tile of x (up to 16 rows by 32 k)
 // the A tile, tdpbf16ps accumulates 16 x 16 fp32. The tiles do a block's arithmetic for 16 rows in the time the
 // dot-product kernel does it for one, so a step of up to 16 rows streams its weights at the memory's rate, as one
-// row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows and are
-// ahead only from about 96 (README: the engine, Where the CPU has AMX).
+// row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows. From 49
+// rows two row tiles go against two blocks (amx_pairs_of_blocks): the linears alone fall behind oneDNN's from about
+// 96 rows, but a prompt step stays in the one native call on them and runs 1.2-1.4x faster (README: the engine,
+// Where the CPU has AMX).
 
 // Rows of x from which packed_linear runs on AMX tiles (0: never); set by linear_amx_min_rows.
 std::atomic<int64_t> g_amx_min_rows{-1};  // -1: not chosen yet (the default, kAmxMinRows, where the CPU permits)
