@@ -48,21 +48,8 @@ inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 m = 0xFFFF) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline __m512i rne_bits(__m512 v) {  // the bf16 bits of v (round to nearest even), in the low half of each lane
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-}
-#ifdef __AVX512BF16__
-inline __m256i bf16_bits(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }  // one instruction
-#else
-inline __m256i bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(rne_bits(v)); }
-#endif
 inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
   _mm256_mask_storeu_epi16(p, m, bf16_bits(v));
-}
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
 
 // One bf16 row of rms_norm: the residual add (stored rounded), the sum of squares, the scaled output.
@@ -74,7 +61,7 @@ void rms_norm_row(c10::BFloat16* o, const c10::BFloat16* x, c10::BFloat16* r, co
     const __mmask16 m = tail_mask(dim - i);
     __m512 v = load_bf16(x + i, m);
     if (r) {
-      v = round_bf16(_mm512_add_ps(load_bf16(r + i, m), v));
+      v = bf16_round(_mm512_add_ps(load_bf16(r + i, m), v));
       store_bf16(r + i, v, m);
     }
     sq = _mm512_fmadd_ps(v, v, sq);
@@ -83,7 +70,7 @@ void rms_norm_row(c10::BFloat16* o, const c10::BFloat16* x, c10::BFloat16* r, co
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sq) / dim + eps));
   for (int64_t i = 0; i < dim; i += 16) {
     const __mmask16 m = tail_mask(dim - i);
-    const __m512 v = round_bf16(_mm512_mul_ps(load_bf16(src + i, m), inv));
+    const __m512 v = bf16_round(_mm512_mul_ps(load_bf16(src + i, m), inv));
     store_bf16(o + i, _mm512_mul_ps(load_bf16(w + i, m), v), m);
   }
 }

@@ -344,11 +344,6 @@ inline void store_tiles(const float* c, int64_t rows, int64_t nr, const float* b
   }
 }
 
-// Two row tiles against two blocks (R, B in {1, 2}; the second `second` elements after the first) over k tiles
-// [k0, k1): C tiles 0-3 = [row tile][block], A tiles
-// 4-5, B tiles 6-7, each k step 2 + 2 tile loads for 4 multiplies (tile loads, not multiplies, bound this loop).
-// x is the copy below ([row tile][k tile][16 rows][32 k]), `a_rt` elements from one row tile to the next. The sums
-// start from zero at k0 = 0, else from c; they go to c [R][B][16][16] fp32.
 // Lines [line, end) of up to two weight streams to ask for into L2, per_step of each a k step.
 struct TilePrefetch {
   const char* const* streams;
@@ -361,6 +356,11 @@ struct TilePrefetch {
   }
 };
 
+// Two row tiles against two blocks (R, B in {1, 2}; the second `second` elements after the first) over k tiles
+// [k0, k1): C tiles 0-3 = [row tile][block], A tiles
+// 4-5, B tiles 6-7, each k step 2 + 2 tile loads for 4 multiplies (tile loads, not multiplies, bound this loop).
+// x is the copy below ([row tile][k tile][16 rows][32 k]), `a_rt` elements from one row tile to the next. The sums
+// start from zero at k0 = 0, else from c; they go to c [R][B][16][16] fp32.
 template <int R, int B>
 inline void amx_tiles_2x2(const uint16_t* x, int64_t a_rt, const uint16_t* w, int64_t second, int64_t k0,
                           int64_t k1, float* c, TilePrefetch& pf) {
@@ -443,11 +443,14 @@ const uint16_t* tile_copy(const at::Tensor& x) {
   return xt;
 }
 
-// From 49 rows: each thread takes two blocks at a time across every pair of row tiles of the copy xt (which stays
-// in L2), K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row tiles stream
-// past); each pair of row tiles keeps its partial sums in `part` between chunks. kSiluMul: the pairs are gate block
-// j and up block j (the second half of the outputs), and out [M, n / 2] gets silu(gate) * up, computed as
-// silu_and_mul computes it on the bf16 values packed_linear would have stored (silu_mul16, vec_math.h).
+// Rows of x from which packed_linear takes two row tiles against two blocks (amx_pairs_of_blocks).
+constexpr int64_t kPairsMinRows = 49;
+
+// From kPairsMinRows rows: each thread takes two blocks at a time across every pair of row tiles of the copy xt
+// (which stays in L2), K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row
+// tiles stream past); each pair of row tiles keeps its partial sums in `part` between chunks. kSiluMul: the pairs
+// are gate block j and up block j (the second half of the outputs), and out [M, n / 2] gets silu(gate) * up,
+// computed as silu_and_mul computes it on the bf16 values packed_linear would have stored (silu_mul16, vec_math.h).
 template <typename out_t, bool kSiluMul>
 void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t a_rt, const uint16_t* wp,
                          int64_t block_elems, int64_t blocks, const float* bias, out_t* op, int64_t o_stride,
@@ -455,7 +458,7 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
   const int64_t row_tiles = (m + 15) / 16, row_pairs = (row_tiles + 1) / 2;
   const int64_t chunks = (k_tiles + 8) / 9, chunk = (k_tiles + chunks - 1) / chunks;
   const int64_t half = blocks / 2, pairs_of_blocks = kSiluMul ? half : (blocks + 1) / 2;
-  const int64_t second = kSiluMul ? half * block_elems : block_elems;  // elements from a pair's first block to its second
+  const int64_t second = kSiluMul ? half * block_elems : block_elems;  // from a pair's first block to its second
   const auto first_block = [&](int64_t bp) { return kSiluMul ? bp : bp * 2; };
   at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local LineVector<float> part;
@@ -513,62 +516,54 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
   });
 }
 
+// Groups of four blocks shared between the threads, each group's weights streamed once past every row tile: row
+// tile rt of x at x + rt * a_rt (`x_bytes` between its rows, each k tile `a_step` elements on), the tiles
+// configured to `tile_rows` rows; m rows in all.
+template <typename out_t>
+void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t a_step, int64_t a_rt, int64_t row_tiles,
+                        int64_t tile_rows, int64_t m, const uint16_t* wp, int64_t block_elems, int64_t blocks,
+                        int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kGroup * 256];
+    configure_tiles(tile_rows);
+    for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
+      const int64_t nr = std::min<int64_t>(kGroup, end - b0);
+      const uint16_t* w = wp + b0 * block_elems;
+      for (int64_t rt = 0; rt < row_tiles; ++rt) {
+        const uint16_t* xr = x + rt * a_rt;
+        switch (nr) {
+          case 1: amx_tile_blocks<1>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          case 2: amx_tile_blocks<2>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          case 3: amx_tile_blocks<3>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+          default: amx_tile_blocks<4>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
+        }
+        store_tiles(c, std::min<int64_t>(16, m - rt * 16), nr, bias, op, o_stride, rt * 16, b0, n);
+      }
+    }
+    _tile_release();
+  });
+}
+
 template <typename out_t>
 void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), k_tiles = pairs / 16;
+  const int64_t m = x.size(0), pairs = packed.size(1), k_tiles = pairs / 16;
   const int64_t block_elems = pairs * 2 * kBlock, blocks = packed.size(0);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  if (m <= 16) {
-    // One row tile read from x as it lies (tiles configured to m rows) against up to four blocks at a time: the
-    // weights stream once, at the memory's rate.
-    const int64_t x_bytes = x.stride(0) * 2;
-    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float c[kGroup * 256];
-      configure_tiles(m);
-      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
-        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
-        const uint16_t* w = wp + b0 * block_elems;
-        switch (nr) {
-          case 1: amx_tile_blocks<1>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          case 2: amx_tile_blocks<2>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          case 3: amx_tile_blocks<3>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
-          default: amx_tile_blocks<4>(xs, x_bytes, 32, w, block_elems, k_tiles, c); break;
-        }
-        store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
-      }
-      _tile_release();
-    });
+  if (m <= 16) {  // one row tile read from x as it lies (tiles configured to m rows)
+    amx_groups_of_four(xs, x.stride(0) * 2, 32, 0, 1, m, m, wp, block_elems, blocks, k_tiles, bias, op, o_stride, n);
     return;
   }
   const int64_t row_tiles = (m + 15) / 16, tile_elems = 16 * 32, a_rt = k_tiles * tile_elems;
   const uint16_t* xt = tile_copy(x);
-  if (row_tiles <= 3) {
-    // Up to 48 rows: each group of four blocks' weights streams once past every row tile (the 2 x 2 tiles below
-    // take 1.1-1.2x as long here: the pair's weights come from memory and the row tiles are too few to hide it).
-    const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float c[kGroup * 256];
-      configure_tiles(16);
-      for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
-        const int64_t nr = std::min<int64_t>(kGroup, end - b0);
-        const uint16_t* w = wp + b0 * block_elems;
-        for (int64_t rt = 0; rt < row_tiles; ++rt) {
-          const uint16_t* xr = xt + rt * a_rt;
-          switch (nr) {
-            case 1: amx_tile_blocks<1>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
-            case 2: amx_tile_blocks<2>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
-            case 3: amx_tile_blocks<3>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
-            default: amx_tile_blocks<4>(xr, 64, tile_elems, w, block_elems, k_tiles, c); break;
-          }
-          store_tiles(c, std::min<int64_t>(16, m - rt * 16), nr, bias, op, o_stride, rt * 16, b0, n);
-        }
-      }
-      _tile_release();
-    });
+  if (m < kPairsMinRows) {
+    // Up to 48 rows the 2 x 2 tiles below take 1.1-1.2x as long: the pair's weights come from memory and the row
+    // tiles are too few to hide it.
+    amx_groups_of_four(xt, 64, tile_elems, a_rt, row_tiles, 16, m, wp, block_elems, blocks, k_tiles, bias, op,
+                       o_stride, n);
     return;
   }
   amx_pairs_of_blocks<out_t, false>(xt, m, k_tiles, a_rt, wp, block_elems, blocks, bias, op, o_stride, n);
@@ -687,8 +682,8 @@ void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
               "packed_linear_silu_mul: out must be a contiguous bf16 [M, n / 2]");
 #ifdef TOKENLINE_HAS_AMX
   const int64_t amx_rows = amx_min_rows();
-  if (amx_rows > 0 && x.size(0) > 48 && x.size(0) >= amx_rows && packed.size(1) % 16 == 0 && (n / 2) % kBlock == 0 &&
-      packed.size(0) * kBlock == n && packed.scalar_type() == at::kBFloat16) {
+  if (amx_rows > 0 && x.size(0) >= kPairsMinRows && x.size(0) >= amx_rows && packed.size(1) % 16 == 0 &&
+      (n / 2) % kBlock == 0 && packed.size(0) * kBlock == n && packed.scalar_type() == at::kBFloat16) {
     check_linear_args(out, x, packed, n / 2);
     at::Tensor bias_f;
     const float* bp = float_data(bias, bias_f);
@@ -703,8 +698,9 @@ void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
 #endif
   at::Tensor gate_up = at::empty({x.size(0), n}, x.options());
   packed_linear(gate_up, x, packed, bias, n);
-  static const auto silu_and_mul =
-      c10::Dispatcher::singleton().findSchemaOrThrow("tokenline::silu_and_mul", "").typed<void(at::Tensor&, const at::Tensor&)>();
+  static const auto silu_and_mul = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("tokenline::silu_and_mul", "")
+                                       .typed<void(at::Tensor&, const at::Tensor&)>();
   silu_and_mul.call(out, gate_up);
 }
 

@@ -50,17 +50,21 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// v rounded to bf16 (to nearest even) and back to fp32.
-inline __m512 bf16_round(__m512 v) {
+// The bf16 bits of v (round to nearest even), 16 of them.
+inline __m256i bf16_bits(__m512 v) {
 #ifdef __AVX512BF16__
-  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // one instruction
 #else
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m256i bits =
-      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// v rounded to bf16 and back to fp32.
+inline __m512 bf16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
 
 // silu(g) * u for bf16 values g and u (in fp32 lanes), silu rounded to bf16 before the product: silu_and_mul's

@@ -135,35 +135,45 @@ class Linear(nn.Module):
             # quantization int8: steps its int8 weights serve stay on them
             self.native_max_rows = max(rows, INT8_MAX_ROWS) if self.packed_int8 is not None else rows
 
+    def _native_kernel(self, rows: int) -> str | None:
+        """Which kernel a natively packed layer runs for a step of `rows` rows: `onednn` past native_max_rows (where
+        it holds oneDNN's copy), `int8` up to INT8_MAX_ROWS (where it has int8 weights), else `bf16`; None where the
+        layer is not natively packed."""
+        if self.packing not in ("native", "native-int8"):
+            return None
+        if self.packed_onednn is not None and rows > self.native_max_rows:
+            return "onednn"
+        return "int8" if self.packed_int8 is not None and rows <= INT8_MAX_ROWS else "bf16"
+
+    @staticmethod
+    def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+        """x as the native kernels read it: [rows, K], rows even-aligned with a contiguous last dim."""
+        rows = x.reshape(-1, x.shape[-1])
+        return rows.contiguous() if rows.stride(-1) != 1 or rows.stride(0) % 2 else rows
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, where this layer's output is [gate | up] (a Llama MLP's gate_up_proj): natively packed
         bf16 steps on the native kernel, which takes it straight from its sums on AMX tiles (the same bits as
         silu_and_mul on its output); the rest through forward, then silu_and_mul."""
         from engine.kernels import silu_and_mul
-        rows = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        if (self.packing in ("native", "native-int8") and x.dtype == torch.bfloat16
-                and not (self.packed_onednn is not None and n > self.native_max_rows)
-                and not (self.packed_int8 is not None and n <= INT8_MAX_ROWS)):
-            if rows.stride(-1) != 1 or rows.stride(0) % 2:
-                rows = rows.contiguous()
-            out = torch.empty(n, self.out_features // 2, dtype=x.dtype, device=x.device)
-            torch.ops.tokenline.packed_linear_silu_mul(out, rows, self.packed, self.bias, self.out_features)
-            return out.view(*x.shape[:-1], self.out_features // 2)
-        return silu_and_mul(self(x).reshape(n, self.out_features)).view(*x.shape[:-1], self.out_features // 2)
+        n, half = x.numel() // x.shape[-1], self.out_features // 2
+        if x.dtype == torch.bfloat16 and self._native_kernel(n) == "bf16":
+            out = torch.empty(n, half, dtype=x.dtype, device=x.device)
+            torch.ops.tokenline.packed_linear_silu_mul(out, self._kernel_rows(x), self.packed, self.bias,
+                                                       self.out_features)
+            return out.view(*x.shape[:-1], half)
+        return silu_and_mul(self(x).reshape(n, self.out_features)).view(*x.shape[:-1], half)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`out_dtype` (the LM head asks for fp32 logits) saves a cast where the kernel can write it directly."""
-        native = self.packing in ("native", "native-int8")
-        if native and self.packed_onednn is not None and x.numel() // x.shape[-1] > self.native_max_rows:
+        kernel = self._native_kernel(x.numel() // x.shape[-1])
+        if kernel == "onednn":
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_onednn, self.bias, "none", [], "")
             return out if out_dtype is None else out.to(out_dtype)
-        if native:
-            rows = x.reshape(-1, x.shape[-1])
-            if rows.stride(-1) != 1 or rows.stride(0) % 2:
-                rows = rows.contiguous()
+        if kernel is not None:
+            rows = self._kernel_rows(x)
             out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype or x.dtype, device=x.device)
-            if self.packed_int8 is not None and rows.shape[0] <= INT8_MAX_ROWS:
+            if kernel == "int8":
                 torch.ops.tokenline.packed_linear_int8(out, rows, self.packed_int8, self.scales, self.bias,
                                                        self.out_features)
             else:
