@@ -80,10 +80,13 @@ def test_requests_that_miss_the_ttft_objective_on_any_number_of_replicas_do_not_
 
 
 def test_a_replica_sustains_more_beside_others_than_alone_and_a_tighter_slo_lowers_both():
+    """Beside others a replica's prompts collide less (the router spreads them); where the SLO, not the bound of
+    max_num_seqs running at once, limits the rate, it sustains more there than alone."""
     sizes = sizes_of(mix())
     capacity = MODEL.capacity(sizes)
-    assert capacity.requests_per_s > capacity.alone_requests_per_s
+    assert capacity.requests_per_s >= capacity.alone_requests_per_s
     tight = CapacityModel(PROFILE, SLO(ttft_s=1.0, itl_s=0.1, percentile=0.99)).capacity(sizes)
+    assert tight.requests_per_s > tight.alone_requests_per_s
     assert tight.requests_per_s < capacity.requests_per_s
     assert tight.alone_requests_per_s < capacity.alone_requests_per_s
 
