@@ -282,6 +282,13 @@ int64_t amx_min_rows() {
   return v;
 }
 
+// Whether packed_linear takes a step of `rows` rows on AMX tiles: the CPU permits them, the rows reach
+// amx_min_rows, and K is whole k tiles (16 pairs).
+bool on_amx_tiles(int64_t rows, const at::Tensor& packed) {
+  const int64_t amx_rows = amx_min_rows();
+  return amx_rows > 0 && rows >= amx_rows && packed.size(1) % 16 == 0;
+}
+
 // Tiles 0-3: C, an accumulator of mt rows by 16 outputs for each of up to four blocks; 4: A (mt rows by 32 k);
 // 5-7: B (16 k pairs by 16 outputs), taken in turn so that a load need not wait for the multiply before it.
 inline void configure_tiles(int64_t mt) {
@@ -658,8 +665,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
   at::Tensor bias_f;
   const float* bp = float_data(bias, bias_f);
 #ifdef TOKENLINE_HAS_AMX
-  const int64_t amx_rows = amx_min_rows();
-  if (amx_rows > 0 && x.size(0) >= amx_rows && packed.size(1) % 16 == 0) {
+  if (on_amx_tiles(x.size(0), packed)) {
     if (out.scalar_type() == at::kFloat) packed_linear_amx<float>(x, packed, bp, out, n);
     else packed_linear_amx<c10::BFloat16>(x, packed, bp, out, n);
     return;
@@ -681,9 +687,8 @@ void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
                   out.scalar_type() == at::kBFloat16,
               "packed_linear_silu_mul: out must be a contiguous bf16 [M, n / 2]");
 #ifdef TOKENLINE_HAS_AMX
-  const int64_t amx_rows = amx_min_rows();
-  if (amx_rows > 0 && x.size(0) >= kPairsMinRows && x.size(0) >= amx_rows && packed.size(1) % 16 == 0 &&
-      (n / 2) % kBlock == 0 && packed.size(0) * kBlock == n && packed.scalar_type() == at::kBFloat16) {
+  if (x.size(0) >= kPairsMinRows && on_amx_tiles(x.size(0), packed) && (n / 2) % kBlock == 0 &&
+      packed.size(0) * kBlock == n && packed.scalar_type() == at::kBFloat16) {
     check_linear_args(out, x, packed, n / 2);
     at::Tensor bias_f;
     const float* bp = float_data(bias, bias_f);
