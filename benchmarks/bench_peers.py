@@ -128,6 +128,59 @@ def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float) -> No
     raise TimeoutError(f"no answer from {base_url} within {timeout_s:.0f}s")
 
 
+SHM_DIR = Path("/dev/shm")
+# Python multiprocessing's shared memory and semaphores: what a server killed during its own shutdown leaves there
+# (after one of two runs vLLM's processes had left 160 and 240 MiB of psm_ blocks that nothing held: RAM, on tmpfs,
+# until someone removes them).
+SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def shm_names(directory: Path = SHM_DIR) -> set[str]:
+    try:
+        return {entry.name for entry in directory.iterdir()}
+    except OSError:
+        return set()
+
+
+def held_paths() -> set[str]:
+    """Paths that a live process has open or mapped (what this user can read of /proc)."""
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                try:
+                    held.add(os.readlink(fd))
+                except OSError:
+                    pass
+            with open(proc / "maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6:
+                        held.add(fields[5].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return held
+
+
+def sweep_shm(before: set[str], directory: Path = SHM_DIR) -> list[str]:
+    """Removes the multiprocessing shared-memory files that appeared since `before` and that no live process holds;
+    returns their names."""
+    held = held_paths()
+    removed = []
+    for name in sorted(shm_names(directory) - before):
+        path = directory / name
+        if not name.startswith(SHM_PREFIXES) or str(path) in held:
+            continue
+        try:
+            path.unlink()
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """SIGINT to the server's process group (both shut down cleanly on it), then SIGKILL what is left."""
     if process.poll() is None:
@@ -248,6 +301,7 @@ def main() -> None:
     logs = out.parent / "bench_peers_logs"
     logs.mkdir(exist_ok=True)
     for system in systems:
+        shm_before = shm_names()
         process = start(system, str(Path(args.model).expanduser()), hf_dir, args.port, venv,
                         logs / f"{system.name}.log")
         try:
@@ -263,6 +317,10 @@ def main() -> None:
                 levels.append(level)
         finally:
             stop(process)
+            leaked = sweep_shm(shm_before)
+            if leaked:
+                log.info("%s left %d shared-memory file(s) no process holds in %s; removed: %s", system.name,
+                         len(leaked), SHM_DIR, ", ".join(leaked))
     rel = ratios(levels, "vllm")
     print_table(levels, rel)
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
