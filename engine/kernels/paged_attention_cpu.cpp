@@ -184,15 +184,14 @@ struct KVStream {
   int64_t bytes;  // one head's part of a block, K or V
   const int64_t* table;
   int64_t blocks;  // the sequence's
-  __attribute__((always_inline)) inline void fetch(int64_t i) const {
-    if (i < blocks) prefetch_block(k + table[i] * stride, bytes);
-    else if (i < 2 * blocks) prefetch_block(v + table[i - blocks] * stride, bytes);
-  }
   // Block i of the stream (this head's part), or nullptr past its end.
   __attribute__((always_inline)) inline const char* ahead(int64_t i) const {
     if (i < blocks) return k + table[i] * stride;
     if (i < 2 * blocks) return v + table[i - blocks] * stride;
     return nullptr;
+  }
+  __attribute__((always_inline)) inline void fetch(int64_t i) const {
+    if (const char* p = ahead(i)) prefetch_block(p, bytes);
   }
   inline void start() const {
     for (int64_t i = 0; i < kAhead; ++i) fetch(i);
