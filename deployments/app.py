@@ -1,6 +1,7 @@
 """The app builder: `serve run deployments.app:build_app num_engine_replicas=2 ...` or `serve run serve_config.yaml`."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -18,7 +19,10 @@ from engine.tp_layout import check_shardable
 # Generate runs on the engine replica's main event loop rather than a second one on its own thread: each
 # streamed chunk skips a thread hop, and the engine's step thread fights one fewer thread for the GIL (measured
 # on 2 CPUs: ~15% more output tokens/s at 32 streams; the same switch on the ingress showed no gain).
-ENGINE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# GOMP_SPINCOUNT: OpenMP's idle thread spins ~0.1 ms, not several, after torch's own parallel ops, so as not to hold
+# a core the kernels' threads need (engine/__init__.py).
+ENGINE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                      "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
 
 
 def build_app(args: AppArgs) -> Application:

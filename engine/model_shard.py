@@ -152,7 +152,9 @@ class ModelShard:
         """fp32 logits of the step's logit rows: on rank 0 (None elsewhere, or when the step asks for none)."""
         if step.logit_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[to_device(step.logit_rows, self.device)])
+        # index_select, not hidden[rows]: on CPU, advanced indexing opens an OpenMP region at a few rows, whose idle
+        # thread then spins on a core the kernels' own threads want (engine/step_inputs.request_of_each_token).
+        return self.model.compute_logits(hidden.index_select(0, to_device(step.logit_rows, self.device)))
 
     def prompt_logits(self, step: StepInputs, hidden: torch.Tensor) -> Iterator[torch.Tensor | None]:
         """fp32 logits of the step's prompt rows, PROMPT_LOGPROBS_ROWS at a time (None on ranks other than 0)."""

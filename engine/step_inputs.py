@@ -19,6 +19,17 @@ NUM_SIZES = 5  # the sizes that frame a packed step: tokens, requests, block-tab
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits are held at once (256 x 49k vocab: 48 MiB in fp32)
 
 
+def request_of_each_token(q_lens: torch.Tensor) -> torch.Tensor:
+    """The index of the request each of a step's new tokens belongs to (q_lens[i] tokens of request i, in order).
+    torch.repeat_interleave would do it, but on CPU it opens an OpenMP parallel region whatever its size, and that
+    region's idle thread then spins on a core (libgomp's default spin, ~ms) that the kernels' own threads
+    (engine/kernels/thread_pool.h) need for the step."""
+    lens = q_lens.tolist()
+    if all(n == 1 for n in lens):
+        return torch.arange(len(lens))
+    return torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], dtype=torch.int64)
+
+
 @dataclass
 class StepInputs:
     """Host int64 tensors; requests in the order the forward takes them (decodes first)."""
@@ -96,7 +107,7 @@ class StepInputs:
         num_requests = q_lens.numel()
         num_decodes = int((q_lens == 1).sum())
         # Position of every new token: its request's start, plus its offset within the chunk.
-        req_of_token = torch.repeat_interleave(torch.arange(num_requests), q_lens)
+        req_of_token = request_of_each_token(q_lens)
         query_start = torch.zeros(num_requests + 1, dtype=torch.int64)
         query_start[1:] = q_lens.cumsum(0)
         positions = (starts[req_of_token] + torch.arange(self.input_ids.numel())

@@ -21,7 +21,7 @@ _state: dict[str, bool] = {}
 _load_report: list["KernelLoad"] = []
 SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "shm_collectives_cpu.cpp", "llama_cpu.cpp",
            "sampling_cpu.cpp")
-HEADERS = ("vec_math.h",)  # included by the sources: a change to one is a new build too
+HEADERS = ("vec_math.h", "thread_pool.h")  # included by the sources: a change to one is a new build too
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 

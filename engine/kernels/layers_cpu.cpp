@@ -1,15 +1,21 @@
 // Fused elementwise layers for the CPU decode path, where per-op dispatch costs as much as the math:
 // RMSNorm (with the residual add folded in), neox-style RoPE in place, SiLU-and-mul, and the KV-cache write.
 // Arithmetic is fp32; bf16 results are rounded to nearest even once per output.
+#include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
 #include <type_traits>
 
 #ifdef __AVX512F__
@@ -106,7 +112,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tens
     T* rp = residual.has_value() ? residual->data_ptr<T>() : nullptr;
     const T* wp = weight.data_ptr<T>();
     const int64_t xs = x.stride(0), os = out.stride(0), rs = residual.has_value() ? residual->stride(0) : 0;
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
 #ifdef __AVX512F__
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (int64_t r = begin; r < end; ++r) {
@@ -152,7 +158,7 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& positions, const at::Te
     using T = std::remove_pointer_t<decltype(tag)>;
     T* base = qkv.data_ptr<T>();
     const int64_t stride = qkv.stride(0);
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* cos = table + pp[t] * head_dim;  // [cos(half) | sin(half)]
         const float* sin = cos + half;
@@ -177,7 +183,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* in = gate_up.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
 #ifdef __AVX512F__
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (int64_t t = begin; t < end; ++t) {
@@ -223,7 +229,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
     const int64_t ks = k.stride(0), vs = v.stride(0);
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -242,9 +248,42 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
+// Whether the kernels split their work over their own threads (thread_pool.h) or OpenMP's: `on` 0 or 1 sets it, a
+// negative value leaves it; returns the value in force.
+bool kernel_pool(int64_t on) { return tokenline::kernel_pool(on); }
+
+// For the tests: parallel_for over [0, n) in pieces of at least `grain`, each item recording which thread ran it
+// (0: the caller) in out[item, 0] and how often it ran in out[item, 1]; items below `slow_below` sleep `sleep_us`
+// each, so that the thread that owns them falls behind and the others take its chunks.
+at::Tensor pool_trace(int64_t n, int64_t grain, int64_t slow_below, int64_t sleep_us) {
+  at::Tensor out = at::zeros({n, 2}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<std::atomic<int64_t>> runs(n);
+  std::mutex names_mutex;
+  std::vector<std::thread::id> names{std::this_thread::get_id()};
+  tokenline::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    int64_t me;
+    {
+      std::lock_guard<std::mutex> lock(names_mutex);
+      auto it = std::find(names.begin(), names.end(), std::this_thread::get_id());
+      me = it - names.begin();
+      if (it == names.end()) names.push_back(std::this_thread::get_id());
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      if (i < slow_below) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      o[i * 2] = me;
+      runs[i].fetch_add(1);
+    }
+  });
+  for (int64_t i = 0; i < n; ++i) o[i * 2 + 1] = runs[i].load();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenline, m) {
+  m.def("kernel_pool(int on=-1) -> bool", &kernel_pool);
+  m.def("pool_trace(int n, int grain, int slow_below=0, int sleep_us=0) -> Tensor", &pool_trace);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_q_heads, int num_kv_heads, "
         "int head_dim) -> ()");

@@ -17,6 +17,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -47,7 +49,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   auto packed = at::zeros({blocks, pairs, kBlock, 2}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t r = 0; r < kBlock && b * kBlock + r < n; ++r) {
         const uint16_t* row = src + (b * kBlock + r) * k;
@@ -241,7 +243,7 @@ template <typename Tile>
 void for_each_group(int64_t blocks, const Tile& tile) {
   // Enough block ranges to balance the threads; each range keeps its weights hot across the rows of x.
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       tile(b0, nr, std::min<int64_t>(kGroup, std::max<int64_t>(0, end - b0 - nr)));
@@ -436,7 +438,7 @@ const uint16_t* tile_copy(const at::Tensor& x) {
   thread_local LineVector<uint16_t> xbuf;
   xbuf.resize(row_tiles * a_rt);
   uint16_t* xt = xbuf.data();  // the workers below have their own thread_local
-  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rt = begin; rt < end; ++rt)
       for (int64_t kt = 0; kt < k_tiles; ++kt) {
         uint16_t* dst = xt + rt * a_rt + kt * tile_elems;
@@ -467,7 +469,7 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
   const int64_t half = blocks / 2, pairs_of_blocks = kSiluMul ? half : (blocks + 1) / 2;
   const int64_t second = kSiluMul ? half * block_elems : block_elems;  // from a pair's first block to its second
   const auto first_block = [&](int64_t bp) { return kSiluMul ? bp : bp * 2; };
-  at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local LineVector<float> part;
     part.resize(row_pairs * 4 * 256);
     configure_tiles(16);
@@ -531,7 +533,7 @@ void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t a_step, int6
                         int64_t tile_rows, int64_t m, const uint16_t* wp, int64_t block_elems, int64_t blocks,
                         int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kGroup * 256];
     configure_tiles(tile_rows);
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
@@ -589,7 +591,7 @@ inline __m512 bf16x16_to_float(const uint16_t* p) {
 void quantize_rows(const at::Tensor& x, int16_t* q, float* scales) {
   const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xp + r * stride;
       int16_t* dst = q + r * k;

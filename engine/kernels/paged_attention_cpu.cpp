@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -82,7 +84,7 @@ void parallel_over_costs(const std::vector<int64_t>& costs, const F& body) {
   auto start_of = [&](int64_t part) {
     return static_cast<int64_t>(std::lower_bound(cum.begin(), cum.end(), total * part / parts) - cum.begin());
   };
-  at::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
+  tokenline::parallel_for(0, parts, 1, [&](int64_t pb, int64_t pe) {
     const int64_t begin = std::min(start_of(pb), items), end = pe == parts ? items : std::min(start_of(pe), items);
     if (begin < end) body(begin, end);
   });

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -198,7 +200,7 @@ void sample_rows(at::Tensor& out, const at::Tensor& logits, const at::Tensor& te
   const float* temp = temperature.data_ptr<float>();
   const double* u = uniform.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> cdf, inner;
     std::vector<float> w;
     for (int64_t r = begin; r < end; ++r) {
