@@ -38,7 +38,7 @@ def test_a_slow_thread_has_its_chunks_taken(two_threads):
     assert trace[32:, 0].tolist() == [1] * 32  # and ran all of its own
 
 
-def test_nested_and_single_thread_run_inline():
+def test_one_thread_runs_inline_on_the_caller():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
