@@ -131,8 +131,9 @@ def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float) -> No
 SHM_DIR = Path("/dev/shm")
 # Python multiprocessing's shared memory and semaphores: what a server killed during its own shutdown leaves there
 # (after one of two runs vLLM's processes had left 160 and 240 MiB of psm_ blocks that nothing held: RAM, on tmpfs,
-# until someone removes them).
-SHM_PREFIXES = ("psm_", "sem.mp-")
+# until someone removes them); and Intel OpenMP's registration of each process that loaded it (1 KB each, named for
+# the process, removed at a clean exit: vLLM's six processes a run left theirs).
+SHM_PREFIXES = ("psm_", "sem.mp-", "__KMP_REGISTERED_LIB_")
 
 
 def shm_names(directory: Path = SHM_DIR) -> set[str]:
