@@ -248,10 +248,6 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
-// Whether the kernels split their work over their own threads (thread_pool.h) or OpenMP's: `on` 0 or 1 sets it, a
-// negative value leaves it; returns the value in force.
-bool kernel_pool(int64_t on) { return tokenline::kernel_pool(on); }
-
 // For the tests: parallel_for over [0, n) in pieces of at least `grain`, each item recording which thread ran it
 // (0: the caller) in out[item, 0] and how often it ran in out[item, 1]; items below `slow_below` sleep `sleep_us`
 // each, so that the thread that owns them falls behind and the others take its chunks.
@@ -282,7 +278,7 @@ at::Tensor pool_trace(int64_t n, int64_t grain, int64_t slow_below, int64_t slee
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenline, m) {
-  m.def("kernel_pool(int on=-1) -> bool", &kernel_pool);
+  m.def("kernel_pool(int on=-1) -> bool", &tokenline::kernel_pool);  // thread_pool.h
   m.def("pool_trace(int n, int grain, int slow_below=0, int sleep_us=0) -> Tensor", &pool_trace);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, int num_q_heads, int num_kv_heads, "

@@ -28,7 +28,6 @@
 #include <exception>
 #include <mutex>
 #include <thread>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -238,14 +237,14 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   job.size = ((n + chunks - 1) / chunks + grain - 1) / grain * grain;
   job.chunks = (n + job.size - 1) / job.size;
   job.threads = static_cast<int>(std::min<int64_t>(threads, job.chunks));
-  for (int t = 0; t < job.threads; ++t)
-    job.range[t].store(pool_detail::Job::pack(static_cast<uint32_t>(job.first(t)),
-                                              static_cast<uint32_t>(job.first(t + 1))),
-                       std::memory_order_relaxed);
   if (job.threads <= 1) {
     f(begin, end);
     return;
   }
+  for (int t = 0; t < job.threads; ++t)
+    job.range[t].store(pool_detail::Job::pack(static_cast<uint32_t>(job.first(t)),
+                                              static_cast<uint32_t>(job.first(t + 1))),
+                       std::memory_order_relaxed);
   pool.run(job);
 }
 
