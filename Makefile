@@ -165,7 +165,8 @@ multinode: install model
 	$(MULTINODE_ENV) setsid $(MULTINODE_NODE) --address "$$(cat $(MULTINODE_DIR)/ray_current_cluster)" \
 		--metrics-export-port 8082 --dashboard-agent-listen-port 52376 --labels tokenline.io/node=worker \
 		> $(MULTINODE_DIR)/worker.log 2>&1 & echo $$! > $(MULTINODE_DIR)/worker.pid
-	$(MULTINODE_ENV) $(BIN)/serve deploy $(SERVE_CONFIG) --address http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT)
+	$(BIN)/python -m deployments.node_layout $(SERVE_CONFIG) --nodes 2 --cpus-per-node 1 > $(MULTINODE_DIR)/serve_config.yaml
+	$(MULTINODE_ENV) $(BIN)/serve deploy $(MULTINODE_DIR)/serve_config.yaml --address http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT)
 	@echo "dashboard: http://127.0.0.1:$(MULTINODE_DASHBOARD_PORT) (token: $(MULTINODE_DIR)/auth_token);" \
 		"CLIs need: export $(MULTINODE_ENV)"
 

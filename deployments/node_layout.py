@@ -50,6 +50,7 @@ def gpu_app_args(args: Mapping[str, Any], num_gpus: int) -> dict[str, Any]:
     """AppArgs (as a dict) with one engine replica per GPU, and engine autoscaling bounded by the GPU count."""
     out = copy.deepcopy(dict(args))
     out["engine_num_gpus"] = 1
+    out["engine_num_cpus"] = 1  # a GPU replica's step loop: one CPU, whatever its CPU layout gave a replica
     out["num_engine_replicas"] = num_gpus
     autoscaling = out.get("autoscaling")
     if isinstance(autoscaling, dict):
@@ -76,6 +77,33 @@ def layout_config(config: dict[str, Any], num_gpus: int) -> tuple[dict[str, Any]
     return out, f"{num_gpus} GPU(s) found: {num_gpus} engine replica(s), one GPU each (autoscaling up to {num_gpus})"
 
 
+def nodes_config(config: dict[str, Any], nodes: int, cpus_per_node: int) -> dict[str, Any]:
+    """A Serve config laid out for `nodes` CPU nodes of `cpus_per_node` CPUs: one engine replica on each node's CPUs
+    (autoscaling up to one per node), as `make multinode` deploys it."""
+    out = copy.deepcopy(config)
+    for app in out.get("applications", []):
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        args = app.setdefault("args", {})
+        args.update(engine_num_cpus=cpus_per_node, num_engine_replicas=nodes)
+        autoscaling = args.get("autoscaling")
+        if isinstance(autoscaling, dict):
+            autoscaling["max_replicas"] = nodes
+            autoscaling["min_replicas"] = min(autoscaling.get("min_replicas", 1), nodes)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    parser = argparse.ArgumentParser(description="Prints a Serve config laid out for CPU nodes (nodes_config).")
+    parser.add_argument("config")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--cpus-per-node", type=int, required=True)
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(Path(args.config).read_text())
+    print(yaml.safe_dump(nodes_config(config, args.nodes, args.cpus_per_node), sort_keys=False), end="")
+
+
 def layout_target(target: str, app_args: list[str], num_gpus: int, workdir: Path) -> tuple[str, list[str], str]:
     """What `serve run` gets: a config file (rewritten into workdir for GPUs) or an import path with k=v args."""
     if target.endswith((".yaml", ".yml")):
@@ -93,3 +121,7 @@ def layout_target(target: str, app_args: list[str], num_gpus: int, workdir: Path
         return target, app_args, "no GPU found: engine replicas on CPU"
     extra = ["engine_num_gpus=1"] + ([] if "num_engine_replicas" in given else [f"num_engine_replicas={num_gpus}"])
     return target, app_args + extra, f"{num_gpus} GPU(s) found: one engine replica per GPU"
+
+
+if __name__ == "__main__":
+    main()

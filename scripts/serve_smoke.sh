@@ -98,7 +98,7 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
 replicas = [n for cmd, ns in nice.items() if cmd.startswith("ray::ServeReplica") for n in ns]
 bookkeeping = nice.get("gcs_server", []) + [n for cmd, ns in nice.items() if cmd.startswith("ray::ServeController")
                                             for n in ns]
-assert len(replicas) >= 3 and len(bookkeeping) == 2, nice
+assert len(replicas) >= 2 and len(bookkeeping) == 2, nice  # the ingress and the engine replica(s)
 assert max(replicas) < min(bookkeeping), f"replicas at nice {replicas}, GCS and Serve's controller {bookkeeping}"
 print(f"serve-smoke: replicas at nice {sorted(set(replicas))}, GCS and Serve's controller at {sorted(set(bookkeeping))}")
 PY

@@ -1,5 +1,6 @@
 """A two-node Ray cluster on this machine (a head and a worker, each its own `ray start`), the app deployed to it
-with `serve deploy serve_config.yaml`, one engine replica on each node, answering the OpenAI API.
+with `serve deploy serve_config.yaml` laid out for two one-CPU nodes, one engine replica on each, answering the
+OpenAI API.
 
 The cluster is this test's own: its own temp dir, ports and auth token, apart from the session's `serve_app` Ray
 (which lives in the pytest process). It is never stopped with `ray stop`, which ends every Ray on the machine:
@@ -30,6 +31,7 @@ import pytest
 import yaml
 
 from deployments.config import AppArgs
+from deployments.node_layout import nodes_config
 
 pytestmark = pytest.mark.slow
 
@@ -169,8 +171,9 @@ class TwoNodeCluster:
 
 
 def multinode_serve_config(model: Path, http_port: int, out: Path) -> Path:
-    """serve_config.yaml as shipped, pointed at the test's model, a free port and a small KV pool."""
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    """serve_config.yaml laid out for two one-CPU nodes as `make multinode` lays it out (one engine replica on
+    each), pointed at the test's model, a free port and a small KV pool."""
+    config = nodes_config(yaml.safe_load((ROOT / "serve_config.yaml").read_text()), nodes=2, cpus_per_node=1)
     config["http_options"]["port"] = http_port
     app = config["applications"][0]
     app["args"].update(model=str(model), num_kv_blocks=128)
