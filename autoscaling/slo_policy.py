@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from autoscaling.capacity import SLO
 from autoscaling.forecast import Holt, HoltState
@@ -124,14 +124,18 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
         return Decision(min(max(num, low), high), reason, state)
 
     if n == 0:
+        state.pop("reported_since", None)
         return decide(target, "no running replica")
     reported = [r for r in signals.reported if r.capacity_tokens_per_s is not None]
     if not reported:
+        state.pop("reported_since", None)
         wanted = math.ceil(signals.total_ongoing / config.fallback_target_ongoing)
         if wanted > target:
             return decide(wanted, f"no capacity reported yet; {signals.total_ongoing:.0f} ongoing requests")
         return decide(target, "no capacity reported yet")
 
+    if now - state.setdefault("reported_since", now) < signals.look_back_period_s:
+        return _first_window(signals, config, state, reported, decide)
     plan = _plan(signals, config, state, reported)
     wanted = plan.replicas
     overload = _safety_net(signals, config, plan, state)
@@ -158,6 +162,25 @@ def slo_decision(signals: DeploymentSignals, config: SLOConfig, state: dict[str,
     if last_overloaded is not None and now - last_overloaded < plan.lead_s:
         return decide(target, "fewer replicas would cover the load, but a replica was overloaded lately")
     return decide(wanted, f"fewer replicas cover it: {plan.describe()}")
+
+
+def _first_window(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],
+                  reported: list[ReplicaSignals], decide: Callable[[int, str], Decision]) -> Decision:
+    """The decision while the replicas' reports cover less than one look-back window since the first of them (at
+    start, or after a start from zero): their rates then stand for the first second or two, and the forecaster,
+    whose level forgets over `level_time_s`, would start from that (a trace's opening second at 1.5x its next ten
+    held a second replica for four minutes). Meanwhile the plan is read but not remembered, and only the
+    fallback's ongoing-request rule and the safety net move the count, up."""
+    target = signals.target_replicas
+    plan = _plan(signals, config, dict(state), reported)  # on a copy: the forecaster and headroom keep nothing
+    wanted = max(target, math.ceil(signals.total_ongoing / config.fallback_target_ongoing))
+    overload = _safety_net(signals, config, plan, state)
+    if overload is not None and target <= signals.current_replicas and overload.num_replicas > wanted:
+        state["last_overloaded_at"] = signals.now
+        return decide(overload.num_replicas, f"overloaded ({overload.reason}) in the replicas' first window")
+    if wanted > target:
+        return decide(wanted, f"{signals.total_ongoing:.0f} ongoing requests in the replicas' first window")
+    return decide(target, f"the replicas' first window: {plan.describe()}")
 
 
 def _plan(signals: DeploymentSignals, config: SLOConfig, state: dict[str, Any],

@@ -39,6 +39,9 @@ def signals(replicas, **kwargs) -> DeploymentSignals:
                                metrics_interval_s=1.0)
 
 
+WATCHED = {"reported_since": 0.0}  # the state of a policy whose replicas have reported since t = 0
+
+
 def settled(load: list[ReplicaSignals], **kwargs) -> dict:
     """The policy's state after it has watched this load for ten minutes."""
     state: dict = {}
@@ -147,10 +150,33 @@ def test_holds_while_a_replica_has_not_reported_or_starts():
 
 def test_an_idle_deployment_goes_to_zero_only_when_min_replicas_allows():
     idle = [replica(0.0, running=0.0)]
-    assert slo_decision(signals(idle, ongoing=0.0, low=0), FIXED, {}).num_replicas == 0
-    assert slo_decision(signals(idle, ongoing=0.0, low=1), FIXED, {}).num_replicas == 1
+    assert slo_decision(signals(idle, ongoing=0.0, low=0), FIXED, dict(WATCHED)).num_replicas == 0
+    assert slo_decision(signals(idle, ongoing=0.0, low=1), FIXED, dict(WATCHED)).num_replicas == 1
     # Anything ongoing keeps the replica.
-    assert slo_decision(signals(idle, ongoing=1.0, low=0), FIXED, {}).num_replicas == 1
+    assert slo_decision(signals(idle, ongoing=1.0, low=0), FIXED, dict(WATCHED)).num_replicas == 1
+    # In the replicas' first window the count only goes up.
+    assert slo_decision(signals(idle, ongoing=0.0, low=0), FIXED, {}).num_replicas == 1
+
+
+def test_in_the_replicas_first_window_a_rate_over_a_second_neither_scales_out_nor_seeds_the_forecast():
+    # A deployment's first report: its rates over the one second since the replica started, at 1.5x one
+    # replica's capacity.
+    opening = [replica(1.5 * CAPACITY)]
+    first = slo_decision(signals(opening, now=1.0), FIXED, {})
+    assert first.num_replicas == 1 and "first window" in first.reason
+    assert set(first.state) == {"reported_since"}  # the forecaster starts from nothing it saw then
+    state = first.state
+    for t in range(2, 11):  # the next seconds' reports, the rate settling at half a replica's capacity
+        state = slo_decision(signals([replica(0.5 * CAPACITY)], now=float(t)), FIXED, state).state
+    after = slo_decision(signals([replica(0.5 * CAPACITY)], now=11.0), FIXED, state)
+    assert after.num_replicas == 1 and after.state["demand"]["level"] == 0.5 * CAPACITY
+    # Ongoing requests past the fallback's target, or a queue the replica cannot drain, still scale out at once.
+    assert slo_decision(signals(opening, now=1.0, ongoing=100.0), FIXED, {}).num_replicas == 4
+    queued = [replica(1.5 * CAPACITY, waiting=40.0, kv=0.95)]
+    assert slo_decision(signals(queued, now=1.0), FIXED, {}).num_replicas >= 2
+    # After a start from zero, the first window again.
+    zero = slo_decision(signals([], now=500.0, ongoing=3.0), FIXED, after.state)
+    assert "reported_since" not in zero.state
 
 
 def test_before_any_capacity_is_reported_serves_rule_on_ongoing_requests_only_upward():
@@ -223,7 +249,8 @@ def test_serve_adapter_reads_capacity_from_aggregated_metrics_and_keeps_its_stat
                "demand_tokens_per_s": {"a": 900.0, "b": 900.0}, "arrivals_per_s": {"a": 2.0, "b": 2.0}}
     ctx = SimpleNamespace(deployment_name="EngineReplica", aggregated_metrics=metrics, running_replicas=["a", "b"],
                           current_num_replicas=2, target_num_replicas=2, capacity_adjusted_min_replicas=1,
-                          capacity_adjusted_max_replicas=8, total_num_requests=16.0, policy_state={},
+                          capacity_adjusted_max_replicas=8, total_num_requests=16.0,
+                          policy_state={STATE_KEY: dict(WATCHED)},
                           current_time=100.0, config=SimpleNamespace(upscale_delay_s=10.0, look_back_period_s=10.0,
                                                                      metrics_interval_s=1.0))
     replicas, state = policy(ctx)
