@@ -1,8 +1,8 @@
 """The cost of the Ray path: the served app over HTTP against the in-process AsyncEngine, on the same prompts.
 
 Random 256-token prompts, 128 output tokens (ignore_eos), streaming, at concurrency 1, 8 and 32. The app runs in
-each of `--variants`: by default make serve's layout (two engine replicas of one CPU and one thread each) and one
-engine replica holding both CPUs, each with its ingress replica answering HTTP itself as under `make serve`
+each of `--variants`: by default make serve's layout (one engine replica holding both CPUs) and two engine
+replicas of one CPU and one thread each, each with its ingress replica answering HTTP itself as under `make serve`
 (`TOKENLINE_INGRESS=proxy` in a variant: through Serve's proxy), and Ray's processes that serve no request behind
 the replicas in CPU priority, as `make serve` runs them (`TOKENLINE_BACKGROUND_NICE=off`: Ray's own priorities).
 Prints a table, the CPU each process spent per output token, and writes JSON.
@@ -312,9 +312,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="how many times to serve each configuration, "
                                                                "alternating them")
     parser.add_argument("--variants", nargs="+",
-                        default=["2x1:num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1", "1x2"],
-                        help="serve configurations to compare (default: make serve's two engine replicas of one CPU, "
-                             "and one replica of --num-cpus), each NAME[:KEY=VALUE...]: an upper-case KEY is an "
+                        default=["1x2", "2x1:num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1"],
+                        help="serve configurations to compare (default: make serve's one replica of --num-cpus, and "
+                             "two engine replicas of one CPU), each NAME[:KEY=VALUE...]: an upper-case KEY is an "
                              "environment variable of the app's processes, a lower-case one an AppArgs field, "
                              "dotted for nested ones (num_engine_replicas=2:engine_num_cpus=1:engine.num_threads=1)")
     parser.add_argument("--skip-engine", action="store_true")
