@@ -59,7 +59,6 @@ def test_without_gpus_or_with_a_pinned_layout_the_config_is_kept(tmp_path):
         "dtype=float32", "engine_num_gpus=1", "num_engine_replicas=2"]
 
 
-
 def test_the_serve_config_on_this_machine_is_one_engine_replica_of_both_cpus():
     args = AppArgs.model_validate(yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"])
     assert (args.num_engine_replicas, args.engine_num_cpus, args.autoscaling.max_replicas) == (1, 2, 1)
