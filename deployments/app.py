@@ -13,6 +13,7 @@ from deployments.config import AppArgs
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
 from deployments.router import request_router_config
+from engine import GOMP_SPINCOUNT
 from engine.loader import check_model_source, read_model_args
 from engine.tp_layout import check_shardable
 
@@ -22,7 +23,7 @@ from engine.tp_layout import check_shardable
 # GOMP_SPINCOUNT: OpenMP's idle thread spins ~0.1 ms, not several, after torch's own parallel ops, so as not to hold
 # a core the kernels' threads need (engine/__init__.py).
 ENGINE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                      "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
+                      "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", GOMP_SPINCOUNT)}
 
 
 def build_app(args: AppArgs) -> Application:

@@ -46,17 +46,22 @@ def _nvidia_smi_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def gpu_app_args(args: Mapping[str, Any], num_gpus: int) -> dict[str, Any]:
-    """AppArgs (as a dict) with one engine replica per GPU, and engine autoscaling bounded by the GPU count."""
+def replicas_app_args(args: Mapping[str, Any], count: int, **resources: int) -> dict[str, Any]:
+    """AppArgs (as a dict) with `count` engine replicas of these resources (engine_num_cpus=..., engine_num_gpus=...),
+    and engine autoscaling bounded by that count."""
     out = copy.deepcopy(dict(args))
-    out["engine_num_gpus"] = 1
-    out["engine_num_cpus"] = 1  # a GPU replica's step loop: one CPU, whatever its CPU layout gave a replica
-    out["num_engine_replicas"] = num_gpus
+    out.update(resources, num_engine_replicas=count)
     autoscaling = out.get("autoscaling")
     if isinstance(autoscaling, dict):
-        autoscaling["max_replicas"] = num_gpus
-        autoscaling["min_replicas"] = min(autoscaling.get("min_replicas", 1), num_gpus)
+        autoscaling["max_replicas"] = count
+        autoscaling["min_replicas"] = min(autoscaling.get("min_replicas", 1), count)
     return out
+
+
+def gpu_app_args(args: Mapping[str, Any], num_gpus: int) -> dict[str, Any]:
+    """AppArgs (as a dict) with one engine replica per GPU, and engine autoscaling bounded by the GPU count. A GPU
+    replica's step loop gets one CPU, whatever the CPU layout gave a replica."""
+    return replicas_app_args(args, num_gpus, engine_num_gpus=1, engine_num_cpus=1)
 
 
 def layout_config(config: dict[str, Any], num_gpus: int) -> tuple[dict[str, Any], str]:
@@ -82,14 +87,8 @@ def nodes_config(config: dict[str, Any], nodes: int, cpus_per_node: int) -> dict
     (autoscaling up to one per node), as `make multinode` deploys it."""
     out = copy.deepcopy(config)
     for app in out.get("applications", []):
-        if app.get("import_path") != APP_IMPORT_PATH:
-            continue
-        args = app.setdefault("args", {})
-        args.update(engine_num_cpus=cpus_per_node, num_engine_replicas=nodes)
-        autoscaling = args.get("autoscaling")
-        if isinstance(autoscaling, dict):
-            autoscaling["max_replicas"] = nodes
-            autoscaling["min_replicas"] = min(autoscaling.get("min_replicas", 1), nodes)
+        if app.get("import_path") == APP_IMPORT_PATH:
+            app["args"] = replicas_app_args(app.get("args", {}), nodes, engine_num_cpus=cpus_per_node)
     return out
 
 

@@ -5,8 +5,9 @@ import os as _os
 # ops (a top-p sort, a long prompt's oneDNN linears) still use OpenMP, whose idle thread spins for several ms after
 # each by default, on a core the kernels' threads want. libgomp reads this once, when torch loads it: it takes
 # effect where torch is not imported yet (engine replicas also get it in their environment, deployments/app.py).
+GOMP_SPINCOUNT = "10000"  # about 0.1 ms of spinning
 if _os.environ.get("TOKENLINE_KERNEL_POOL") != "0":
-    _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    _os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from engine.config import EngineConfig, ModelArgs
 from engine.hashing import hash_block_chain, hash_block_tokens
