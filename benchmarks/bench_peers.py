@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -56,6 +57,7 @@ class Level:
     itl_p50_ms: float
     itl_p99_ms: float
     wall_s: float
+    round: int = 0  # --rounds: which pass over the systems it came from
 
 
 def parse_system(spec: str) -> System:
@@ -233,6 +235,61 @@ def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str,
     return out
 
 
+RATIO_KEYS = ("output_tok_s", "ttft_p50", "tpot_p50", "itl_p99")
+
+
+def rounds_of(levels: list[Level]) -> list[list[Level]]:
+    """The levels of each round, in round order."""
+    return [[lv for lv in levels if lv.round == r] for r in sorted({lv.round for lv in levels})]
+
+
+def ratio_spread(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Each system's ratios to `reference`, taken within each round (the two servers side by side, minutes apart),
+    then their median, minimum and maximum over the rounds: a ratio of medians taken across rounds would pair one
+    system's fast hour with the other's slow one."""
+    per_round = [ratios(r, reference) for r in rounds_of(levels)]
+    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for rel in per_round:
+        for system, by_c in rel.items():
+            for c, values in by_c.items():
+                cell = out.setdefault(system, {}).setdefault(c, {})
+                for key in RATIO_KEYS:
+                    cell.setdefault(key, {}).setdefault("rounds", []).append(values[key])
+    for by_c in out.values():
+        for cell in by_c.values():
+            for spread in cell.values():
+                rounds = spread["rounds"]
+                spread.update(median=statistics.median(rounds), min=min(rounds), max=max(rounds))
+    return out
+
+
+def median_levels(levels: list[Level]) -> list[Level]:
+    """One level per system and concurrency, each figure the median over the rounds (for the table and the plot)."""
+    keys = list(dict.fromkeys((lv.system, lv.concurrency) for lv in levels))
+    out = []
+    for system, c in keys:
+        runs = [lv for lv in levels if lv.system == system and lv.concurrency == c]
+        med = {f: statistics.median(getattr(lv, f) for lv in runs)
+               for f in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
+                         "wall_s")}
+        out.append(Level(system, c, runs[0].num_prompts, min(lv.completed for lv in runs), round=-1, **med))
+    return out
+
+
+def print_spread(levels: list[Level], spread: dict[str, dict[int, dict[str, dict[str, float]]]]) -> None:
+    rounds = len(rounds_of(levels))
+    print(f"\nover {rounds} rounds, each figure the median; ratios to vLLM taken within each round "
+          f"(median, and the range)")
+    print(f"{'system':18} {'conc':>4} {'out tok/s':>9} {'TTFT p50':>9} {'ITL p99':>8}   {'vs vLLM: tok/s':>22} "
+          f"{'TTFT':>17} {'ITL p99':>17}")
+    for lv in median_levels(levels):
+        cell = spread.get(lv.system, {}).get(lv.concurrency)
+        tail = "   ".join(f"{cell[k]['median']:4.2f}x ({cell[k]['min']:4.2f}-{cell[k]['max']:4.2f})"
+                           for k in ("output_tok_s", "ttft_p50", "itl_p99")) if cell else ""
+        print(f"{lv.system:18} {lv.concurrency:4d} {lv.output_tok_s:9.1f} {lv.ttft_p50_ms:7.0f}ms "
+              f"{lv.itl_p99_ms:6.0f}ms   {tail}")
+
+
 def print_table(levels: list[Level], rel: dict[str, dict[int, dict[str, float]]]) -> None:
     print(f"\n{'system':18} {'conc':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p99':>8}   "
           f"{'vs vLLM: tok/s':>14} {'TTFT':>5} {'ITL p99':>7}")
@@ -282,6 +339,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--ready-timeout-s", type=float, default=600)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the systems, every other one in reverse order (this machine's speed drifts "
+                             "by more than the systems differ, and the one run second tends to be ahead): the "
+                             "ratios are taken within each round, then their median")
     parser.add_argument("--out", default="results/bench_peers.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -301,7 +362,9 @@ def main() -> None:
     levels: list[Level] = []
     logs = out.parent / "bench_peers_logs"
     logs.mkdir(exist_ok=True)
-    for system in systems:
+    order = [(r, system) for r in range(max(1, args.rounds))
+             for system in (systems if r % 2 == 0 else systems[::-1])]
+    for r, system in order:
         shm_before = shm_names()
         process = start(system, str(Path(args.model).expanduser()), hf_dir, args.port, venv,
                         logs / f"{system.name}.log")
@@ -313,7 +376,8 @@ def main() -> None:
             for c in concurrencies:
                 level = run_client(vllm, system, base_url, name, hf_dir, c,
                                    max(8, args.prompts_per_concurrency * c), args, logs)
-                log.info("%s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", system.name, c,
+                level.round = r
+                log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, system.name, c,
                          level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
                 levels.append(level)
         finally:
@@ -322,12 +386,21 @@ def main() -> None:
             if leaked:
                 log.info("%s left %d shared-memory file(s) no process holds in %s; removed: %s", system.name,
                          len(leaked), SHM_DIR, ", ".join(leaked))
-    rel = ratios(levels, "vllm")
-    print_table(levels, rel)
+    by_round = rounds_of(levels)
+    for r, round_levels in enumerate(by_round):
+        if len(by_round) > 1:
+            print(f"\nround {r + 1} of {len(by_round)}" + (" (in reverse order)" if r % 2 else ""))
+        print_table(round_levels, ratios(round_levels, "vllm"))
+    spread = ratio_spread(levels, "vllm")
+    if len(by_round) > 1:
+        print_spread(levels, spread)
+    medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
+               for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-                               "systems": [asdict(s) for s in systems], "levels": [asdict(lv) for lv in levels],
-                               "ratios_vs_vllm": rel}, indent=2))
-    plot(levels, out.with_suffix(".png"))
+                               "rounds": len(by_round), "systems": [asdict(s) for s in systems],
+                               "levels": [asdict(lv) for lv in levels], "ratios_vs_vllm": medians,
+                               "ratio_spread_vs_vllm": spread}, indent=2))
+    plot(median_levels(levels), out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
