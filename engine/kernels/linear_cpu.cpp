@@ -509,11 +509,20 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
               const int64_t col = b0 * kBlock;
               const __m512 bg = bias ? _mm512_loadu_ps(bias + col) : _mm512_setzero_ps();
               const __m512 bu = bias ? _mm512_loadu_ps(bias + half * kBlock + col) : _mm512_setzero_ps();
-              for (int64_t r = 0; r < rows; ++r) {
+              const auto act = [&](int64_t r) {
                 const __m512 g = bf16_round(_mm512_add_ps(_mm512_load_ps(ci + r * 16), bg));
                 const __m512 u = bf16_round(_mm512_add_ps(_mm512_load_ps(ci + 256 + r * 16), bu));
-                store_out(op + (r0 + r) * o_stride + col, silu_mul16(g, u), (__mmask16)0xFFFF);
+                return silu_mul16(g, u);
+              };
+              // Four rows at a time: one row's silu is a chain of ~25 dependent operations, and four
+              // independent chains keep both vector units busy (silu_and_mul_row: 1.5x on one thread).
+              int64_t r = 0;
+              for (; r + 4 <= rows; r += 4) {
+                __m512 y[4];
+                for (int j = 0; j < 4; ++j) y[j] = act(r + j);
+                for (int j = 0; j < 4; ++j) store_out(op + (r0 + r + j) * o_stride + col, y[j], (__mmask16)0xFFFF);
               }
+              for (; r < rows; ++r) store_out(op + (r0 + r) * o_stride + col, act(r), (__mmask16)0xFFFF);
             } else {
               store_tile_pair(ci, rows, nb, bias, op, o_stride, r0, b0, n);
             }
