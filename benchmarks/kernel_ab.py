@@ -9,7 +9,9 @@ turn on the same tensors, best of a few rounds, shows the change itself.
     python -m benchmarks.kernel_ab attention --base eae741d --batches none --prompts 256,2048,320+1728
 
 `linear`: every linear of SmolLM2-135M's 30 decoder layers on random bf16 weights (qkv 576 -> 960, o 576 -> 576,
-gate/up 576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152, fp32 out), at each row count.
+gate/up 576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152, fp32 out), at each row count; then the 30
+gate/ups again as the MLP calls them, with SiLU-and-mul (`packed_linear_silu_mul`: fused on AMX tiles from 49 rows,
+below that the linear and then the main build's `silu_and_mul`, which this comparison does not vary).
 `attention`: 30 layers of decode attention (9 query heads, 3 KV heads, head_dim 64, packed keys, blocks of 16 tokens)
 over BATCHxCONTEXT rows whose blocks lie scattered through a pool of 1,024 blocks per layer; with `--prompts`,
 30 layers of a prompt chunk's attention (ROWS, or ROWS+CACHED after that many cached tokens: each row causal up to
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import CFLAGS, HEADERS
+from engine.kernels import CFLAGS, HEADERS, cpu_kernels_available
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"linear": "engine/kernels/linear_cpu.cpp", "attention": "engine/kernels/paged_attention_cpu.cpp"}
@@ -60,8 +62,9 @@ def build(kernel: str, revision: str | None, name: str, workdir: Path):
     return getattr(torch.ops, name)
 
 
-def time_linear(ops, rows: int, rounds: int) -> tuple[float, float]:
-    """Seconds (best of `rounds`) for the 30 layers' linears and for the LM head, at `rows` rows."""
+def time_linear(ops, rows: int, rounds: int) -> tuple[float, float, float]:
+    """Seconds (best of `rounds`) for the 30 layers' linears, for their gate/up with SiLU-and-mul (the MLP's fused
+    call; nan where the version has none), and for the LM head, at `rows` rows."""
     torch.manual_seed(0)
     layers = [[ops.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.05) for n, k in LINEAR_SHAPES]
               for _ in range(LAYERS)]
@@ -69,7 +72,13 @@ def time_linear(ops, rows: int, rounds: int) -> tuple[float, float]:
     xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
     outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in LINEAR_SHAPES}
     logits = torch.empty(rows, 49152, dtype=torch.float32)
-    best_layers = best_head = float("inf")
+    gate_up = LINEAR_SHAPES.index((3072, 576))
+    act = torch.empty(rows, 1536, dtype=torch.bfloat16)
+    try:
+        fused = ops.packed_linear_silu_mul  # below 49 rows it calls tokenline::silu_and_mul: the main build's
+    except (AttributeError, RuntimeError):
+        fused = None
+    best_layers = best_silu = best_head = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for weights in layers:
@@ -78,7 +87,12 @@ def time_linear(ops, rows: int, rounds: int) -> tuple[float, float]:
         middle = time.perf_counter()
         ops.packed_linear(logits, xs[576], head, None, 49152)
         best_layers, best_head = min(best_layers, middle - start), min(best_head, time.perf_counter() - middle)
-    return best_layers, best_head
+        if fused is not None:
+            start = time.perf_counter()
+            for weights in layers:
+                fused(act, xs[576], weights[gate_up], None, 3072)
+            best_silu = min(best_silu, time.perf_counter() - start)
+    return best_layers, best_silu if fused is not None else float("nan"), best_head
 
 
 def time_attention(ops, batch: int, context: int, rounds: int, prompt: bool = False) -> float:
@@ -121,6 +135,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; each reports its best of 5")
     args = parser.parse_args()
 
+    if args.kernel == "linear" and not cpu_kernels_available():  # the ops the file reaches by name: the main build's
+        raise SystemExit("the native CPU kernels did not build here")
     with tempfile.TemporaryDirectory(prefix="kernel_ab_") as tmp:
         versions = {"base": build(args.kernel, args.base, "kernel_ab_base", Path(tmp)),
                     "head": build(args.kernel, args.head, "kernel_ab_head", Path(tmp))}
@@ -132,7 +148,8 @@ def main() -> None:
                 for rows in (int(r) for r in args.rows.split(",")):
                     got = _alternate(versions, args.repeats, lambda ops: time_linear(ops, rows, 5))
                     cells = (f"{name}: layers {min(r[0] for r in runs) * 1e3:7.2f}, "
-                             f"LM head {min(r[1] for r in runs) * 1e3:6.2f}" for name, runs in got.items())
+                             f"gate/up + SiLU {min(r[1] for r in runs) * 1e3:6.2f}, "
+                             f"LM head {min(r[2] for r in runs) * 1e3:6.2f}" for name, runs in got.items())
                     print(f"threads {threads} rows {rows:4d}: " + "   ".join(cells), flush=True)
             else:
                 for spec in (b for b in args.batches.split(",") if b and b != "none"):
