@@ -235,9 +235,6 @@ def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str,
     return out
 
 
-RATIO_KEYS = ("output_tok_s", "ttft_p50", "tpot_p50", "itl_p99")
-
-
 def rounds_of(levels: list[Level]) -> list[list[Level]]:
     """The levels of each round, in round order."""
     return [[lv for lv in levels if lv.round == r] for r in sorted({lv.round for lv in levels})]
@@ -253,8 +250,8 @@ def ratio_spread(levels: list[Level], reference: str) -> dict[str, dict[int, dic
         for system, by_c in rel.items():
             for c, values in by_c.items():
                 cell = out.setdefault(system, {}).setdefault(c, {})
-                for key in RATIO_KEYS:
-                    cell.setdefault(key, {}).setdefault("rounds", []).append(values[key])
+                for key, value in values.items():
+                    cell.setdefault(key, {}).setdefault("rounds", []).append(value)
     for by_c in out.values():
         for cell in by_c.values():
             for spread in cell.values():
@@ -276,13 +273,13 @@ def median_levels(levels: list[Level]) -> list[Level]:
     return out
 
 
-def print_spread(levels: list[Level], spread: dict[str, dict[int, dict[str, dict[str, float]]]]) -> None:
-    rounds = len(rounds_of(levels))
+def print_spread(medians: list[Level], rounds: int,
+                 spread: dict[str, dict[int, dict[str, dict[str, float]]]]) -> None:
     print(f"\nover {rounds} rounds, each figure the median; ratios to vLLM taken within each round "
           f"(median, and the range)")
     print(f"{'system':18} {'conc':>4} {'out tok/s':>9} {'TTFT p50':>9} {'ITL p99':>8}   {'vs vLLM: tok/s':>22} "
           f"{'TTFT':>17} {'ITL p99':>17}")
-    for lv in median_levels(levels):
+    for lv in medians:
         cell = spread.get(lv.system, {}).get(lv.concurrency)
         tail = "   ".join(f"{cell[k]['median']:4.2f}x ({cell[k]['min']:4.2f}-{cell[k]['max']:4.2f})"
                            for k in ("output_tok_s", "ttft_p50", "itl_p99")) if cell else ""
@@ -392,15 +389,16 @@ def main() -> None:
             print(f"\nround {r + 1} of {len(by_round)}" + (" (in reverse order)" if r % 2 else ""))
         print_table(round_levels, ratios(round_levels, "vllm"))
     spread = ratio_spread(levels, "vllm")
+    median_figures = median_levels(levels)
     if len(by_round) > 1:
-        print_spread(levels, spread)
+        print_spread(median_figures, len(by_round), spread)
     medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
                for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
                                "rounds": len(by_round), "systems": [asdict(s) for s in systems],
                                "levels": [asdict(lv) for lv in levels], "ratios_vs_vllm": medians,
                                "ratio_spread_vs_vllm": spread}, indent=2))
-    plot(median_levels(levels), out.with_suffix(".png"))
+    plot(median_figures, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

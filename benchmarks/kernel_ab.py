@@ -76,7 +76,7 @@ def time_linear(ops, rows: int, rounds: int) -> tuple[float, float, float]:
     act = torch.empty(rows, 1536, dtype=torch.bfloat16)
     try:
         fused = ops.packed_linear_silu_mul  # below 49 rows it calls tokenline::silu_and_mul: the main build's
-    except (AttributeError, RuntimeError):
+    except AttributeError:  # a revision from before it
         fused = None
     best_layers = best_silu = best_head = float("inf")
     for _ in range(rounds):
