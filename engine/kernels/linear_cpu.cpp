@@ -436,8 +436,7 @@ const uint16_t* tile_copy(const at::Tensor& x) {
   const int64_t a_rt = k_tiles * tile_elems, xs_stride = x.stride(0);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   thread_local LineVector<uint16_t> xbuf;
-  xbuf.resize(row_tiles * a_rt);
-  uint16_t* xt = xbuf.data();  // the workers below have their own thread_local
+  uint16_t* xt = scratch(xbuf, row_tiles * a_rt);  // the workers below have their own thread_local
   tokenline::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rt = begin; rt < end; ++rt)
       for (int64_t kt = 0; kt < k_tiles; ++kt) {
@@ -471,7 +470,7 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
   const auto first_block = [&](int64_t bp) { return kSiluMul ? bp : bp * 2; };
   tokenline::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local LineVector<float> part;
-    part.resize(row_pairs * 4 * 256);
+    float* const part_sums = scratch(part, row_pairs * 4 * 256);
     configure_tiles(16);
     for (int64_t bp = begin; bp < end; ++bp) {
       const int64_t b0 = first_block(bp), nb = kSiluMul ? 2 : std::min<int64_t>(2, blocks - b0);
@@ -496,7 +495,7 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
           TilePrefetch pf{next, rp * next_lines / row_pairs, (rp + 1) * next_lines / row_pairs, 0};
           pf.per_step = (pf.end - pf.line + (k1 - k0) - 1) / (k1 - k0);
           const uint16_t* xr = xt + rt * a_rt;
-          float* c = part.data() + rp * 4 * 256;
+          float* c = part_sums + rp * 4 * 256;
           if (nrt == 2 && nb == 2) amx_tiles_2x2<2, 2>(xr, a_rt, w, second, k0, k1, c, pf);
           else if (nrt == 2) amx_tiles_2x2<2, 1>(xr, a_rt, w, second, k0, k1, c, pf);
           else if (nb == 2) amx_tiles_2x2<1, 2>(xr, a_rt, w, second, k0, k1, c, pf);
@@ -628,10 +627,10 @@ void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, cons
   // x to int16, the weights sign-extended as they stream in: half the bytes of bf16.
   thread_local std::vector<int16_t> xq;  // reused: a decode step makes ~7 such calls a layer
   thread_local std::vector<float> x_scales;
-  xq.resize(m * k);
-  x_scales.resize(m);
-  quantize_rows(x, xq.data(), x_scales.data());
-  const Rows rows{reinterpret_cast<const uint32_t*>(xq.data()), k / 2, x_scales.data(), m};
+  int16_t* const q = scratch(xq, m * k);
+  float* const q_scales = scratch(x_scales, m);
+  quantize_rows(x, q, q_scales);
+  const Rows rows{reinterpret_cast<const uint32_t*>(q), k / 2, q_scales, m};
   for_each_group(packed.size(0), [&](int64_t b0, int64_t nr, int64_t next_nr) {
     rows_times_group<Int16Dot, Int8Weights, out_t>(rows, Int8Weights{wp + b0 * block_bytes, block_bytes}, pairs,
                                                    scale, bias, out, b0, nr, n, next_nr);

@@ -374,7 +374,7 @@ void decode_item(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_
   constexpr int64_t head_dim = 16 * NV;
   const PagedSeq seq{table, len, block_size, h, num_kv_heads};
   const int64_t row = (seq.len + 15) / 16 * 16;
-  scores.resize(group * row);
+  scratch(scores, group * row);
   // Both layouts keep one head's part of a block contiguous, block_size * head_dim values.
   const int64_t head_part = block_size * head_dim, stride = num_kv_heads * head_part * sizeof(scalar_t);
   const KVStream kv{reinterpret_cast<const char*>(k_cache + h * head_part),
@@ -548,13 +548,13 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
                       int64_t out_stride, AmxScratch& s) {
   constexpr int64_t head_dim = 16 * NV, pairs = 8 * NV, ksteps = head_dim / 32;
   const int64_t nq = rows * group, subs = (nq + 15) / 16;
-  s.qa.resize(subs * 16 * head_dim);
-  s.len.resize(subs * 16);
+  scratch(s.qa, subs * 16 * head_dim);
+  scratch(s.len, subs * 16);
   s.o.assign(subs * 16 * head_dim, 0.f);
   s.m.assign(subs * 16, -1e30f);
   s.l.assign(subs * 16, 0.f);
-  s.vp.resize(16 * head_dim);
-  s.pv.resize(16 * head_dim);
+  scratch(s.vp, 16 * head_dim);
+  scratch(s.pv, 16 * head_dim);
   for (int64_t lane = 0; lane < subs * 16; ++lane) {  // lanes past nq repeat the last vector; their results are dropped
     const int64_t v = std::min(lane, nq - 1), r = v / group, g = v % group;
     std::memcpy(s.qa.data() + lane * head_dim, q + r * q_stride + (h * group + g) * head_dim, head_dim * 2);
@@ -675,13 +675,13 @@ void prefill_tile(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
                   int64_t out_stride, TileScratch& s) {
   constexpr int64_t head_dim = 16 * NV, pairs = 8 * NV;
   const int64_t nq = rows * group, subs = (nq + 15) / 16;
-  s.qt.resize(subs * pairs * 16);
-  s.len.resize(subs * 16);
+  scratch(s.qt, subs * pairs * 16);
+  scratch(s.len, subs * 16);
   s.o.assign(subs * head_dim * 16, 0.f);
   s.m.assign(subs * 16, -1e30f);
   s.l.assign(subs * 16, 0.f);
-  s.vp.resize(8 * head_dim);
-  s.row.resize(head_dim);
+  scratch(s.vp, 8 * head_dim);
+  scratch(s.row, head_dim);
   for (int64_t lane = 0; lane < subs * 16; ++lane) {  // lanes past nq repeat the last vector; their results are dropped
     const int64_t v = std::min(lane, nq - 1), r = v / group, g = v % group;
     const uint32_t* qp = reinterpret_cast<const uint32_t*>(q + r * q_stride + (h * group + g) * head_dim);

@@ -24,6 +24,14 @@ struct LineAllocator {
 template <typename T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
+// A scratch vector's storage for at least n elements. Grows only: resize() after a smaller call would fill the
+// elements past the smaller size with zeros again, each call (tile_copy alternates 576- and 1,536-wide x).
+template <typename V>
+inline typename V::value_type* scratch(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
