@@ -10,7 +10,7 @@ turn on the same tensors, best of a few rounds, shows the change itself.
 
 `linear`: every linear of SmolLM2-135M's 30 decoder layers on random bf16 weights (qkv 576 -> 960, o 576 -> 576,
 gate/up 576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152, fp32 out), at each row count; then the 30
-gate/ups again as the MLP calls them, with SiLU-and-mul (`packed_linear_silu_mul`: fused on AMX tiles from 49 rows,
+gate/ups again as the MLP calls them, with SiLU-and-mul (`packed_linear_silu_mul`: fused on AMX tiles from 17 rows,
 below that the linear and then the main build's `silu_and_mul`, which this comparison does not vary).
 `attention`: 30 layers of decode attention (9 query heads, 3 KV heads, head_dim 64, packed keys, blocks of 16 tokens)
 over BATCHxCONTEXT rows whose blocks lie scattered through a pool of 1,024 blocks per layer; with `--prompts`,
@@ -75,7 +75,7 @@ def time_linear(ops, rows: int, rounds: int) -> tuple[float, float, float]:
     gate_up = LINEAR_SHAPES.index((3072, 576))
     act = torch.empty(rows, 1536, dtype=torch.bfloat16)
     try:
-        fused = ops.packed_linear_silu_mul  # below 49 rows it calls tokenline::silu_and_mul: the main build's
+        fused = ops.packed_linear_silu_mul  # below 17 rows it calls tokenline::silu_and_mul: the main build's
     except AttributeError:  # a revision from before it
         fused = None
     best_layers = best_silu = best_head = float("inf")

@@ -45,10 +45,11 @@ def linear_kernel(request):
 
 
 @needs_native
-# Rows: whole and partial tiles of 6 (dot products) and 16 (AMX) rows; from 49 the tiles run two row tiles against
-# two blocks (64: pairs whole, 100 and 391: the last pair one tile); 391: past the early fetch. K=72: the tiles
+# Rows: whole and partial tiles of 6 (dot products) and 16 (AMX) rows; from 17 the tiles run two row tiles against
+# two blocks (32 and 64: pairs whole; 17: the second tile partial; 33, 49, 100 and 391: the last pair one tile);
+# 391: past the early fetch. K=72: the tiles
 # take 32 k at a time, so those run on the dot products.
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 49, 64, 100, 391])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 33, 49, 64, 100, 391])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (24, 72), (50, 576), (3072, 576), (577, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features, bias, linear_kernel):
@@ -65,12 +66,12 @@ def test_native_linear_matches_f_linear_in_bf16(rows, out_features, in_features,
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 17, 49, 64, 100, 391])  # 49 on: the tiles' fused path (one pair row tile at 49)
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 49, 64, 100, 391])  # 17 on: the tiles' fused path
 @pytest.mark.parametrize("out_features, in_features", [(64, 64), (3072, 576), (1152, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gate_up_silu_mul_gives_silu_and_mul_of_the_linear_to_the_bit(rows, out_features, in_features, bias,
                                                                        linear_kernel):
-    """Linear.silu_mul (a Llama MLP's gate_up_proj then SiLU-and-mul, fused on AMX tiles from 49 rows) against the
+    """Linear.silu_mul (a Llama MLP's gate_up_proj then SiLU-and-mul, fused on AMX tiles from 17 rows) against the
     two ops apart, and against F.silu(gate) * up in fp32 within bf16's rounding."""
     from engine.kernels import silu_and_mul
     layer = linear(in_features, out_features, bias, "native")

@@ -269,8 +269,9 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
 // one 1 KB B tile ([16 pairs][16 outputs][2 k], 64-byte rows) as they lie, a row tile of x (up to 16 rows by 32 k)
 // the A tile, tdpbf16ps accumulates 16 x 16 fp32. The tiles do a block's arithmetic for 16 rows in the time the
 // dot-product kernel does it for one, so a step of up to 16 rows streams its weights at the memory's rate, as one
-// row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows. From 49
-// rows two row tiles go against two blocks (amx_pairs_of_blocks): the linears alone fall behind oneDNN's from about
+// row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows. From 17
+// rows two row tiles go against two blocks (amx_pairs_of_blocks): each weight tile loaded serves two row tiles, 5-25%
+// less time than one row tile against four blocks at 17-48 rows; the linears alone fall behind oneDNN's from about
 // 96 rows, but a prompt step stays in the one native call on them and runs 1.2-1.4x faster (README: the engine,
 // Where the CPU has AMX).
 
@@ -451,8 +452,10 @@ const uint16_t* tile_copy(const at::Tensor& x) {
   return xt;
 }
 
-// Rows of x from which packed_linear takes two row tiles against two blocks (amx_pairs_of_blocks).
-constexpr int64_t kPairsMinRows = 49;
+// Rows of x from which packed_linear takes two row tiles against two blocks (amx_pairs_of_blocks): every step of
+// more than one row tile. (Up to 48 rows this once took 1.1-1.2x the time of one row tile against four blocks; since
+// the next weights are fetched ahead and the copy's buffer stopped refilling with zeros, it takes 5-25% less.)
+constexpr int64_t kPairsMinRows = 17;
 
 // From kPairsMinRows rows: each thread takes two blocks at a time across every pair of row tiles of the copy xt
 // (which stays in L2), K in chunks of at most 9 k tiles (18 KB of the pair's weights, which stay in L1 while the row
@@ -533,30 +536,25 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
   });
 }
 
-// Groups of four blocks shared between the threads, each group's weights streamed once past every row tile: row
-// tile rt of x at x + rt * a_rt (`x_bytes` between its rows, each k tile `a_step` elements on), the tiles
-// configured to `tile_rows` rows; m rows in all.
+// Up to 16 rows: groups of four blocks shared between the threads against the one row tile of x, read as it lies
+// (m rows `x_bytes` apart, the tiles configured to m rows): each group's weights streamed once.
 template <typename out_t>
-void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t a_step, int64_t a_rt, int64_t row_tiles,
-                        int64_t tile_rows, int64_t m, const uint16_t* wp, int64_t block_elems, int64_t blocks,
-                        int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
+void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t m, const uint16_t* wp, int64_t block_elems,
+                        int64_t blocks, int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
   tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kGroup * 256];
-    configure_tiles(tile_rows);
+    configure_tiles(m);
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       const uint16_t* w = wp + b0 * block_elems;
-      for (int64_t rt = 0; rt < row_tiles; ++rt) {
-        const uint16_t* xr = x + rt * a_rt;
-        switch (nr) {
-          case 1: amx_tile_blocks<1>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          case 2: amx_tile_blocks<2>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          case 3: amx_tile_blocks<3>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-          default: amx_tile_blocks<4>(xr, x_bytes, a_step, w, block_elems, k_tiles, c); break;
-        }
-        store_tiles(c, std::min<int64_t>(16, m - rt * 16), nr, bias, op, o_stride, rt * 16, b0, n);
+      switch (nr) {
+        case 1: amx_tile_blocks<1>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
+        case 2: amx_tile_blocks<2>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
+        case 3: amx_tile_blocks<3>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
+        default: amx_tile_blocks<4>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
       }
+      store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
     }
     _tile_release();
   });
@@ -567,23 +565,15 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
   const int64_t m = x.size(0), pairs = packed.size(1), k_tiles = pairs / 16;
   const int64_t block_elems = pairs * 2 * kBlock, blocks = packed.size(0);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  if (m <= 16) {  // one row tile read from x as it lies (tiles configured to m rows)
-    amx_groups_of_four(xs, x.stride(0) * 2, 32, 0, 1, m, m, wp, block_elems, blocks, k_tiles, bias, op, o_stride, n);
-    return;
-  }
-  const int64_t row_tiles = (m + 15) / 16, tile_elems = 16 * 32, a_rt = k_tiles * tile_elems;
-  const uint16_t* xt = tile_copy(x);
   if (m < kPairsMinRows) {
-    // Up to 48 rows the 2 x 2 tiles below take 1.1-1.2x as long: the pair's weights come from memory and the row
-    // tiles are too few to hide it.
-    amx_groups_of_four(xt, 64, tile_elems, a_rt, row_tiles, 16, m, wp, block_elems, blocks, k_tiles, bias, op,
-                       o_stride, n);
+    amx_groups_of_four(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.stride(0) * 2, m, wp,
+                       block_elems, blocks, k_tiles, bias, op, o_stride, n);
     return;
   }
-  amx_pairs_of_blocks<out_t, false>(xt, m, k_tiles, a_rt, wp, block_elems, blocks, bias, op, o_stride, n);
+  amx_pairs_of_blocks<out_t, false>(tile_copy(x), m, k_tiles, k_tiles * 512, wp, block_elems, blocks, bias, op,
+                                    o_stride, n);
 }
 
 #endif  // TOKENLINE_HAS_AMX
@@ -687,7 +677,7 @@ void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 #endif
 }
 
-// out [M, n / 2] = silu(gate) * up, where x W^T (+ bias) = [gate | up] is gate_up's [M, n]: from 49 rows on AMX
+// out [M, n / 2] = silu(gate) * up, where x W^T (+ bias) = [gate | up] is gate_up's [M, n]: from 17 rows on AMX
 // tiles straight from the sums (gate/up's [M, n] never written, nor read back); otherwise packed_linear, then
 // silu_and_mul. Either way the bits packed_linear and silu_and_mul would give.
 void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
