@@ -47,8 +47,7 @@ def linear_kernel(request):
 @needs_native
 # Rows: whole and partial tiles of 6 (dot products) and 16 (AMX) rows; from 17 the tiles run two row tiles against
 # two blocks (32 and 64: pairs whole; 17: the second tile partial; 33, 49, 100 and 391: the last pair one tile);
-# 391: past the early fetch. K=72: the tiles
-# take 32 k at a time, so those run on the dot products.
+# 391: past the early fetch. K=72: the tiles take 32 k at a time, so those run on the dot products.
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 32, 33, 49, 64, 100, 391])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (24, 72), (50, 576), (3072, 576), (577, 1536)])
 @pytest.mark.parametrize("bias", [False, True])

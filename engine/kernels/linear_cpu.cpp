@@ -270,7 +270,7 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const flo
 // the A tile, tdpbf16ps accumulates 16 x 16 fp32. The tiles do a block's arithmetic for 16 rows in the time the
 // dot-product kernel does it for one, so a step of up to 16 rows streams its weights at the memory's rate, as one
 // row does, and one of 64 costs less than twice that; oneDNN's kernels take 1.4-1.6x as long up to 16 rows. From 17
-// rows two row tiles go against two blocks (amx_pairs_of_blocks): each weight tile loaded serves two row tiles, 5-25%
+// rows two row tiles go against two blocks (amx_pairs_of_blocks): each weight tile loaded serves two row tiles, 2-23%
 // less time than one row tile against four blocks at 17-48 rows; the linears alone fall behind oneDNN's from about
 // 96 rows, but a prompt step stays in the one native call on them and runs 1.2-1.4x faster (README: the engine,
 // Where the CPU has AMX).
@@ -454,7 +454,7 @@ const uint16_t* tile_copy(const at::Tensor& x) {
 
 // Rows of x from which packed_linear takes two row tiles against two blocks (amx_pairs_of_blocks): every step of
 // more than one row tile. (Up to 48 rows this once took 1.1-1.2x the time of one row tile against four blocks; since
-// the next weights are fetched ahead and the copy's buffer stopped refilling with zeros, it takes 5-25% less.)
+// the next weights are fetched ahead and the copy's buffer stopped refilling with zeros, it takes 2-23% less.)
 constexpr int64_t kPairsMinRows = 17;
 
 // From kPairsMinRows rows: each thread takes two blocks at a time across every pair of row tiles of the copy xt
