@@ -237,13 +237,17 @@ void rows_times_group(const Rows& rows, const Weights& wt, int64_t pairs, const 
   }
 }
 
+// Blocks a thread takes at a time: enough block ranges to balance the threads; each range keeps its weights hot
+// across the rows of x.
+inline int64_t group_grain(int64_t blocks) {
+  return std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
+}
+
 // Calls tile(b0, nr, next_nr) for each group of up to kGroup blocks, the groups shared between the threads;
 // next_nr: the blocks of the group the same thread takes next (0 for its last).
 template <typename Tile>
 void for_each_group(int64_t blocks, const Tile& tile) {
-  // Enough block ranges to balance the threads; each range keeps its weights hot across the rows of x.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, group_grain(blocks), [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       tile(b0, nr, std::min<int64_t>(kGroup, std::max<int64_t>(0, end - b0 - nr)));
@@ -307,17 +311,17 @@ inline void configure_tiles(int64_t mt) {
   _tile_loadconfig(&cfg);
 }
 
-// One row tile (mt rows of x at x, `x_bytes` apart, each k tile `a_step` elements on) against NR blocks: sums to
+// One row tile (mt rows of x at x, `x_bytes` apart, each k tile 32 elements on) against NR blocks: sums to
 // c [NR][16][16] fp32.
 template <int NR>
-inline void amx_tile_blocks(const uint16_t* x, int64_t x_bytes, int64_t a_step, const uint16_t* w,
+inline void amx_tile_blocks(const uint16_t* x, int64_t x_bytes, const uint16_t* w,
                             int64_t block_elems, int64_t k_tiles, float* c) {
   _tile_zero(0);
   if constexpr (NR > 1) _tile_zero(1);
   if constexpr (NR > 2) _tile_zero(2);
   if constexpr (NR > 3) _tile_zero(3);
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    _tile_loadd(4, x + kt * a_step, x_bytes);
+    _tile_loadd(4, x + kt * 32, x_bytes);
     const uint16_t* wk = w + kt * 512;  // 16 pairs of 16 outputs of 2 bf16
     _tile_loadd(5, wk, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -541,18 +545,17 @@ void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t
 template <typename out_t>
 void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t m, const uint16_t* wp, int64_t block_elems,
                         int64_t blocks, int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, group_grain(blocks), [&](int64_t begin, int64_t end) {
     alignas(64) float c[kGroup * 256];
     configure_tiles(m);
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       const uint16_t* w = wp + b0 * block_elems;
       switch (nr) {
-        case 1: amx_tile_blocks<1>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
-        case 2: amx_tile_blocks<2>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
-        case 3: amx_tile_blocks<3>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
-        default: amx_tile_blocks<4>(x, x_bytes, 32, w, block_elems, k_tiles, c); break;
+        case 1: amx_tile_blocks<1>(x, x_bytes, w, block_elems, k_tiles, c); break;
+        case 2: amx_tile_blocks<2>(x, x_bytes, w, block_elems, k_tiles, c); break;
+        case 3: amx_tile_blocks<3>(x, x_bytes, w, block_elems, k_tiles, c); break;
+        default: amx_tile_blocks<4>(x, x_bytes, w, block_elems, k_tiles, c); break;
       }
       store_tiles(c, m, nr, bias, op, o_stride, 0, b0, n);
     }
