@@ -28,6 +28,7 @@ import torch
 
 from autoscaling.step_model import EngineShape, ReplicaProfile, StepSample, StepTimeModel
 from autoscaling.workload import RequestSpec, SyntheticWorkload
+from deployments.config import AppArgs
 from deployments.run import applications
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import load_model_source
@@ -157,10 +158,12 @@ def serve_app_args(path: str | Path = SERVE_CONFIG) -> dict:
 
 
 def serve_engine_settings(path: str | Path = SERVE_CONFIG) -> dict:
-    """The engine settings of the first application in a Serve config file, and its CPUs per engine replica."""
+    """The engine settings of the first application in a Serve config file as the SLO policy runs its engines (the
+    profile is what that policy plans with), and its CPUs per engine replica."""
     args = serve_app_args(path)
-    engine = args.get("engine") or {}
-    return {"threads": int(args.get("engine_num_cpus", 1)), **{k: engine[k] for k in SHAPE_FIELDS if k in engine}}
+    slo_args = {**args, "autoscaling": {**(args.get("autoscaling") or {}), "enabled": True, "policy": "slo"}}
+    engine = AppArgs(**slo_args).engine_config()
+    return {"threads": int(args.get("engine_num_cpus", 1)), **{k: getattr(engine, k) for k in SHAPE_FIELDS}}
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`.
 
 The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes), its
-engine replicas as serve_config.yaml's (the step budgets the profile was recorded with, and a step that borrows the
-neighbour's idle core; `--no-borrow`: each on its own CPU), with AppArgs' autoscaling delays. A first minute and a
+engine replicas as serve_config.yaml's under the SLO policy (with the step budgets the profile was recorded with,
+and a step that borrows the neighbour's idle core; `--no-borrow`: each on its own CPU), with AppArgs' autoscaling delays. A first minute and a
 half of light load (one replica) calibrates: the replicas report how much slower than the recorded profile their steps
 run in the app (an ingress, a proxy and this client share the two cores with them, which the profile, measured on the
 engine alone, does not see), and the client's TTFT of those requests less the simulator's for them gives the serving

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import typing
@@ -20,6 +21,14 @@ from engine.config import EngineConfig
 # llama.cpp's quantisation names (Q4_1, Q4_K_M, Q8_0, IQ2_XXS, TQ1_0, F16, BF16, FP32, MXFP4) at the end of a file
 # name, after a '.' or '-': `Llama-3.1-8B-Instruct.Q4_K_M.gguf` is served as `Llama-3.1-8B-Instruct`.
 QUANT_TAG = re.compile(r"[.-](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|B?FP?(?:16|32)|MXFP4)$", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=8)
+def profile_budget_beside_decodes(profile: str) -> int | None:
+    """The token budget of a step beside decodes that a replica profile (autoscaling/profiles) was recorded with."""
+    from autoscaling.step_model import ReplicaProfile
+
+    return ReplicaProfile.load(profile).engine.max_tokens_with_decodes
 
 
 def served_name(model_path: str | Path) -> str:
@@ -60,7 +69,8 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
                                               "process's other CPUs sit idle (None: num_threads always)"),
     "max_tokens_with_decodes": dict(ge=1, description="token budget of a step that carries decodes (None: "
-                                                      "max_num_batched_tokens)"),
+                                                      "max_num_batched_tokens; under autoscaling.policy slo: the "
+                                                      "budget its replica profile was recorded with)"),
     "decode_threads": dict(ge=1, description="CPU: torch threads for every other step (decodes) while the "
                                              "process's other CPUs sit idle (None: num_threads always)"),
     "fair_share_prompt_weight": dict(ge=0, description="what a computed prompt token costs a tenant in the "
@@ -153,7 +163,12 @@ class AppArgs(_FlatEngineArgs):
         trace = {"step_history": self.timeline.step_ring} if self.timeline.enabled else {}
         fields = args.model_dump(exclude={"num_threads"})
         scaling = self.autoscaling
-        if fields["ttft_objective_s"] is None and scaling.enabled and scaling.policy == "slo":
-            fields["ttft_objective_s"] = scaling.slo.ttft_s  # the SLO stated once: its engines schedule for it too
+        if scaling.enabled and scaling.policy == "slo":
+            if fields["ttft_objective_s"] is None:
+                fields["ttft_objective_s"] = scaling.slo.ttft_s  # the SLO stated once: its engines schedule for it too
+            if fields["max_tokens_with_decodes"] is None:
+                # The policy's capacity model plans with the steps its profile was measured on: a step beside
+                # running streams as long as the profile's, whatever the app's default for throughput.
+                fields["max_tokens_with_decodes"] = profile_budget_beside_decodes(scaling.slo.profile)
         return EngineConfig(model=self.model_path(), device=device, **fields, num_threads=threads,
                             record_request_events=self.timeline.enabled, **trace)

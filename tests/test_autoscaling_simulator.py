@@ -168,13 +168,32 @@ def test_cli_compares_policies_and_writes_json_and_png(tmp_path):
 
 
 def test_engine_shape_of_the_recorded_profile_is_the_apps():
-    app = serve_engine_settings()  # serve_config.yaml: what `make serve` runs and `make step-profile` records
+    # serve_config.yaml as the SLO policy runs its engines: what `make step-profile` records
+    app = serve_engine_settings()
     assert PROFILE.engine == EngineShape(block_size=16, num_kv_blocks=PROFILE.engine.num_kv_blocks,
                                          max_num_batched_tokens=app["max_num_batched_tokens"],
                                          max_num_seqs=app["max_num_seqs"],
                                          max_tokens_with_decodes=app.get("max_tokens_with_decodes"))
     assert PROFILE.engine.num_kv_blocks > 1000  # 512 MiB of KV, as serve_config.yaml gives each replica
     assert f"{app['threads']} torch thread(s)" in PROFILE.description
+
+
+def test_the_slo_policy_runs_its_engines_with_the_step_budget_its_profile_was_recorded_with(tmp_path):
+    from deployments.config import AppArgs
+
+    slo = {"enabled": True, "policy": "slo"}
+    assert PROFILE.engine.max_tokens_with_decodes == 160
+    assert AppArgs(model="/m.gguf").engine_config().max_tokens_with_decodes is None
+    assert AppArgs(model="/m.gguf", autoscaling=slo).engine_config().max_tokens_with_decodes == 160
+    queue_kv = AppArgs(model="/m.gguf", autoscaling={**slo, "policy": "queue_kv"})
+    assert queue_kv.engine_config().max_tokens_with_decodes is None
+    explicit = AppArgs(model="/m.gguf", autoscaling=slo, engine={"max_tokens_with_decodes": 96})
+    assert explicit.engine_config().max_tokens_with_decodes == 96
+    other = tmp_path / "other.json"
+    other.write_text(dataclasses.replace(PROFILE, engine=dataclasses.replace(PROFILE.engine,
+                                                                             max_tokens_with_decodes=64)).to_json())
+    own = AppArgs(model="/m.gguf", autoscaling={**slo, "slo": {"profile": str(other)}})
+    assert own.engine_config().max_tokens_with_decodes == 64
 
 
 def test_the_simulated_scheduler_keeps_a_step_beside_decodes_to_its_own_budget():
