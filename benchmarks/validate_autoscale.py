@@ -2,17 +2,17 @@
 same run: goodput, replica count over time and TTFT p90, each within `TOLERANCE`.
 
 The app runs on a local Ray (2 CPUs, one per engine replica; Serve's default router, as the simulator routes), its
-engine replicas as serve_config.yaml's under the SLO policy (with the step budgets the profile was recorded with,
-and a step that borrows the neighbour's idle core; `--no-borrow`: each on its own CPU), with AppArgs' autoscaling delays. A first minute and a
-half of light load (one replica) calibrates: the replicas report how much slower than the recorded profile their steps
-run in the app (an ingress, a proxy and this client share the two cores with them, which the profile, measured on the
-engine alone, does not see), and the client's TTFT of those requests less the simulator's for them gives the serving
-path's own share of a TTFT (proxy, ingress, routing, the stream back: the simulator models the engine replicas only),
-added to every simulated one. The workload is then ten minutes of Poisson arrivals, quiet, then busy enough to need a
-second replica, then quiet again (rates set from the calibrated profile's capacity for the workload's request sizes),
-prompts of exact token counts with random tokens (no shared prefix), each asking for its own number of tokens with
-ignore_eos, streamed. Every second the run samples how many engine replicas are alive, and every ten seconds the
-replicas' step correction.
+engine replicas as serve_config.yaml's under the SLO policy (the step budgets the profile was recorded with, and a
+step that borrows the neighbour's idle core; `--no-borrow`: each on its own CPU), with AppArgs' autoscaling delays. A
+first minute and a half of light load (one replica) calibrates: the replicas report how much slower than the recorded
+profile their steps run in the app (an ingress, a proxy and this client share the two cores with them, which the
+profile, measured on the engine alone, does not see), and the client's TTFT of those requests less the simulator's
+for them gives the serving path's own share of a TTFT (proxy, ingress, routing, the stream back: the simulator models
+the engine replicas only), added to every simulated one. The workload is then ten minutes of Poisson arrivals, quiet,
+then busy enough to need a second replica, then quiet again (rates set from the calibrated profile's capacity for the
+workload's request sizes), prompts of exact token counts with random tokens (no shared prefix), each asking for its
+own number of tokens with ignore_eos, streamed. Every second the run samples how many engine replicas are alive, and
+every ten seconds the replicas' step correction.
 
 Then a minute and a half at the busy phase's load on two replicas (the app redeployed with `min_replicas: 2`,
 then back): two replicas stepping at once slow each other down (with the serving processes they need more than
