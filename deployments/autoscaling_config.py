@@ -5,6 +5,7 @@ The ingress keeps Serve's request-based autoscaler (`ingress_*` fields); this se
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -57,6 +58,12 @@ class AutoscalingArgs(BaseModel):
             raise ValueError("autoscaling.min_replicas 0 needs autoscaling.policy slo or ongoing_requests: "
                              "queue_kv never asks for fewer than one replica")
         return self
+
+
+@functools.lru_cache(maxsize=8)
+def profile_budget_beside_decodes(profile: str) -> int | None:
+    """The token budget of a step beside decodes that a replica profile (autoscaling/profiles) was recorded with."""
+    return ReplicaProfile.load(profile).engine.max_tokens_with_decodes
 
 
 def replica_load(args: AutoscalingArgs) -> ReplicaLoad | None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 import typing
@@ -12,7 +11,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, create_model
 
 from deployments.auth import SecurityArgs
-from deployments.autoscaling_config import AutoscalingArgs
+from deployments.autoscaling_config import AutoscalingArgs, profile_budget_beside_decodes
 from deployments.limits import LimitsArgs
 from deployments.router_config import RouterArgs, RouterSettings
 from deployments.timeline_config import TimelineArgs
@@ -21,14 +20,6 @@ from engine.config import EngineConfig
 # llama.cpp's quantisation names (Q4_1, Q4_K_M, Q8_0, IQ2_XXS, TQ1_0, F16, BF16, FP32, MXFP4) at the end of a file
 # name, after a '.' or '-': `Llama-3.1-8B-Instruct.Q4_K_M.gguf` is served as `Llama-3.1-8B-Instruct`.
 QUANT_TAG = re.compile(r"[.-](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|B?FP?(?:16|32)|MXFP4)$", re.IGNORECASE)
-
-
-@functools.lru_cache(maxsize=8)
-def profile_budget_beside_decodes(profile: str) -> int | None:
-    """The token budget of a step beside decodes that a replica profile (autoscaling/profiles) was recorded with."""
-    from autoscaling.step_model import ReplicaProfile
-
-    return ReplicaProfile.load(profile).engine.max_tokens_with_decodes
 
 
 def served_name(model_path: str | Path) -> str:

@@ -467,9 +467,9 @@ constexpr int64_t kPairsMinRows = 17;
 // are gate block j and up block j (the second half of the outputs), and out [M, n / 2] gets silu(gate) * up,
 // computed as silu_and_mul computes it on the bf16 values packed_linear would have stored (silu_mul16, vec_math.h).
 template <typename out_t, bool kSiluMul>
-void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, int64_t a_rt, const uint16_t* wp,
-                         int64_t block_elems, int64_t blocks, const float* bias, out_t* op, int64_t o_stride,
-                         int64_t n) {
+void amx_pairs_of_blocks(const uint16_t* xt, int64_t m, int64_t k_tiles, const uint16_t* wp, int64_t block_elems,
+                         int64_t blocks, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
+  const int64_t a_rt = k_tiles * 512;  // the copy's row tile: k_tiles tiles of 16 rows x 32 k
   const int64_t row_tiles = (m + 15) / 16, row_pairs = (row_tiles + 1) / 2;
   const int64_t chunks = (k_tiles + 8) / 9, chunk = (k_tiles + chunks - 1) / chunks;
   const int64_t half = blocks / 2, pairs_of_blocks = kSiluMul ? half : (blocks + 1) / 2;
@@ -575,8 +575,7 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
                        block_elems, blocks, k_tiles, bias, op, o_stride, n);
     return;
   }
-  amx_pairs_of_blocks<out_t, false>(tile_copy(x), m, k_tiles, k_tiles * 512, wp, block_elems, blocks, bias, op,
-                                    o_stride, n);
+  amx_pairs_of_blocks<out_t, false>(tile_copy(x), m, k_tiles, wp, block_elems, blocks, bias, op, o_stride, n);
 }
 
 #endif  // TOKENLINE_HAS_AMX
@@ -697,7 +696,7 @@ void packed_linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tens
     const float* bp = float_data(bias, bias_f);
     const uint16_t* xt = tile_copy(x);
     const int64_t k_tiles = packed.size(1) / 16;
-    amx_pairs_of_blocks<c10::BFloat16, true>(xt, x.size(0), k_tiles, k_tiles * 512,
+    amx_pairs_of_blocks<c10::BFloat16, true>(xt, x.size(0), k_tiles,
                                              reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                                              packed.size(1) * 2 * kBlock, packed.size(0), bp,
                                              out.data_ptr<c10::BFloat16>(), out.stride(0), n);
