@@ -96,6 +96,22 @@ def test_native_linear_reads_strided_rows_and_keeps_leading_dims(rows, linear_ke
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [17, 32, 33, 100])
+def test_rows_read_where_they_lie_and_rows_copied_into_tiles_give_the_same_bits(rows, linear_kernel):
+    """From 17 rows the AMX tiles load x's rows where they lie when each starts on a cache line (a last partial row
+    tile from a padded copy), and from a tile-by-tile copy of x otherwise: the same sums either way."""
+    layer = linear(576, 96, True, "native")
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    wide = torch.zeros(rows, 576 + 16, dtype=torch.bfloat16)
+    wide[:, 16:] = x
+    shifted = wide[:, 16:]  # rows 1,184 bytes apart, 32 bytes off a line
+    assert x.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 != 0
+    assert torch.equal(layer(x, out_dtype=torch.float32), layer(shifted, out_dtype=torch.float32))
+    assert torch.equal(layer(x), layer(shifted))
+    assert torch.equal(layer.silu_mul(x), layer.silu_mul(shifted))
+
+
+@needs_native
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(linear_kernel):
     """Batch invariance: a request's tokens get the same bits in a step of 1, 7, 16, 17 or 100 rows (each kernel
     sums a row's products in one order whatever the tile it is in)."""
