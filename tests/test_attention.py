@@ -247,3 +247,33 @@ def test_prompt_rows_in_query_tiles_match_the_same_rows_one_by_one_and_dense_att
     short = slice(sum(new) - new[3], None)  # the chunk of 5 and the decode went one by one either way
     assert torch.equal(tiled[short], one_by_one[short]) and torch.equal(tiled[:1], one_by_one[:1])
     assert not torch.equal(tiled[1:1 + new[1]], one_by_one[1:1 + new[1]])  # the tiles' own rounding
+
+
+@pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "
+                                                                   "keys stay in the plain layout")
+@pytest.mark.parametrize("head_dim, heads", [(64, (9, 3)), (128, (8, 2))])
+def test_query_tiles_follow_scores_that_climb_from_chunk_to_chunk(head_dim, heads, query_tile_kernel):
+    """A prompt whose later keys score ever higher against its queries (scaled, half a unit more per token): each
+    chunk of keys raises every row's running max by more than the margin the AMX tiles allow a stale max (8), so the
+    online softmax rescales its sums and its output chunk after chunk. Rows still agree with dense attention."""
+    from engine import kernels
+
+    torch.manual_seed(0)
+    H, KVH = heads
+    D, BS, dtype, n = head_dim, 16, torch.bfloat16, 150
+    u = torch.randn(D)
+    u = u / u.norm()
+    q = (u * 4 + 0.1 * torch.randn(n, H, D)).to(dtype)
+    climb = (torch.arange(n, dtype=torch.float32) * D ** 0.5 / 8).view(n, 1, 1)
+    k = (u * climb + 0.1 * torch.randn(n, KVH, D)).to(dtype)
+    v = torch.randn(n, KVH, D).to(dtype)
+    blocks = -(-n // BS)
+    k_cache = torch.zeros(CpuAttention(H, KVH, D, BS, dtype).key_cache_shape(blocks + 3), dtype=dtype)
+    v_cache = torch.zeros(blocks + 3, KVH, BS, D, dtype=dtype)
+    table = torch.randperm(blocks + 3)[:blocks]
+    slots = torch.tensor([int(table[p // BS]) * BS + p % BS for p in range(n)])
+    kernels.write_kv_cache(k, v, k_cache, v_cache, slots)
+    out = torch.empty(n, H * D, dtype=dtype)
+    kernels.paged_decode_attention(out, q, k_cache, v_cache, table.repeat(n, 1), torch.arange(1, n + 1), D ** -0.5)
+    expected = dense_reference(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)

@@ -510,26 +510,47 @@ inline void interleave_value_pairs(uint32_t* vp, int64_t token_pairs, int64_t he
 // The same query tiles on AMX (Sapphire Rapids and later Xeons), flash attention over chunks of 32 tokens: a tile
 // of 16 query vectors (rows of the A tile, head_dim / 32 k steps) against the packed keys as they lie (a block's 16
 // dimension pairs of 16 tokens are one B tile, 64-byte rows, block_size * 4 bytes apart) gives the 16 x 32 scores
-// in two C tiles; the online softmax runs on them in AVX-512 (a row's running max and sum, the probabilities
-// rounded to bf16 as the vdpbf16ps tiles round them) and writes them as one A tile, which meets the chunk's values
-// interleaved in pairs of tokens (B tiles of 16 dimensions) in four C tiles per 64 dimensions; those are added to
-// the output rows after the rescale by the row's change of max. What vdpbf16ps did in ~1,000 instructions per 16
-// tokens of a tile, the tiles do in 8 multiplies per 32 tokens; the softmax's exponentials remain.
-//   tiles: 0 A (queries or probabilities), 1 B (keys or values), 2-3 the chunk's scores, 4-7 its weighted values.
+// in two C tiles; the online softmax runs on them in AVX-512 and writes the probabilities, rounded to bf16, as one A
+// tile, which meets the chunk's values interleaved in pairs of tokens (B tiles of 16 dimensions) in the output's C
+// tiles. Each sub-tile of 16 query vectors runs through all its chunks in turn (the unit's values are interleaved
+// once, for every sub-tile), so that at head_dim 64 its output stays in four C tiles from the first chunk to the last.
+// The softmax does as little as it can per chunk:
+//   - a row's max is raised only when a score passes it by more than kLazyMax (then its sum and output are rescaled,
+//     the output tiles stored and loaded again): probabilities up to e^8 against a stale max lose nothing in fp32,
+//     and a row's scores rarely climb that far after its first chunk, so most chunks neither reduce nor rescale;
+//   - the scale is folded into the exponent (one fused multiply-subtract, then 2^x);
+//   - only the chunks that reach past a row's own length are masked;
+//   - each row's sum stays 16 partial sums until the end.
+//   tiles: 0 A (queries or probabilities), 1 B (keys or values), 2-3 the chunk's scores, 4-7 the output.
 std::atomic<bool> g_attention_amx{true};  // attention_amx(0) turns the tiles off (the vdpbf16ps tiles then)
 
 inline bool attention_amx_on() { return amx_permitted() && g_attention_amx.load(std::memory_order_relaxed); }
 
+constexpr float kLazyMax = 8.f;  // natural-log units of the scaled scores
+
+// 2^x (x clamped at -126 below): 2^n * 2^f, f in [-0.5, 0.5], 2^f by its Taylor series to f^4, within 5e-5: the
+// probabilities are rounded to bf16 (4e-3) before they meet the values.
+inline __m512 exp2_512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));    // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));    // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 struct AmxScratch {
   // The tiles' sources start on a cache line (LineVector, vec_math.h): rows straddling two lines load 2-3x slower.
   LineVector<c10::BFloat16> qa;  // [sub-tile][16][head_dim]: the query vectors as the A tile's rows
-  LineVector<uint32_t> vp;       // [16 token pairs][head_dim]: the chunk's values interleaved in pairs
-  LineVector<float> o;           // [sub-tile][16][head_dim], fp32
-  std::vector<float> m, l;       // [sub-tile][16]
+  LineVector<uint32_t> vp;       // [chunk][16 token pairs][head_dim]: the unit's values interleaved in pairs
+  LineVector<float> o;           // [16][head_dim], fp32: a sub-tile's output where it is not in tiles
+  LineVector<float> sums;        // [16][16]: each row's 16 partial sums
   std::vector<int32_t> len;      // [sub-tile][16]
   alignas(64) float s[16 * 32];  // one chunk's scores of one sub-tile
   alignas(64) uint16_t p[16 * 32];  // its probabilities, bf16
-  std::vector<float> pv;         // [16][head_dim]: its weighted values
 };
 
 inline void configure_attention_tiles() {
@@ -541,49 +562,83 @@ inline void configure_attention_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// The output's four C tiles (tiles 4-7) to and from 64 dimensions of 16 rows, head_dim apart.
+template <int64_t kHeadDim>
+inline void store_output_tiles(float* o) {
+  _tile_stored(4, o, kHeadDim * 4);
+  _tile_stored(5, o + 16, kHeadDim * 4);
+  _tile_stored(6, o + 32, kHeadDim * 4);
+  _tile_stored(7, o + 48, kHeadDim * 4);
+}
+template <int64_t kHeadDim>
+inline void load_output_tiles(const float* o) {
+  _tile_loadd(4, o, kHeadDim * 4);
+  _tile_loadd(5, o + 16, kHeadDim * 4);
+  _tile_loadd(6, o + 32, kHeadDim * 4);
+  _tile_loadd(7, o + 48, kHeadDim * 4);
+}
+
 template <int NV>
 void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
                       const c10::BFloat16* v_cache, const int64_t* table, int64_t first_len, int64_t rows, int64_t h,
                       int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, c10::BFloat16* out,
                       int64_t out_stride, AmxScratch& s) {
   constexpr int64_t head_dim = 16 * NV, pairs = 8 * NV, ksteps = head_dim / 32;
+  constexpr bool kOutputInTiles = head_dim == 64;  // else the output lives in s.o, 64 dimensions at a time in tiles
   const int64_t nq = rows * group, subs = (nq + 15) / 16;
   scratch(s.qa, subs * 16 * head_dim);
   scratch(s.len, subs * 16);
-  s.o.assign(subs * 16 * head_dim, 0.f);
-  s.m.assign(subs * 16, -1e30f);
-  s.l.assign(subs * 16, 0.f);
-  scratch(s.vp, 16 * head_dim);
-  scratch(s.pv, 16 * head_dim);
+  scratch(s.o, 16 * head_dim);
+  scratch(s.sums, 16 * 16);
   for (int64_t lane = 0; lane < subs * 16; ++lane) {  // lanes past nq repeat the last vector; their results are dropped
     const int64_t v = std::min(lane, nq - 1), r = v / group, g = v % group;
     std::memcpy(s.qa.data() + lane * head_dim, q + r * q_stride + (h * group + g) * head_dim, head_dim * 2);
     s.len[lane] = static_cast<int32_t>(first_len + r);
   }
-  configure_attention_tiles();
-  const int64_t last_len = first_len + rows - 1;
+  const int64_t last_len = first_len + rows - 1, chunks = (last_len + 31) / 32;
   const int64_t block_k = num_kv_heads * pairs * block_size;  // 32-bit words (bf16 pairs) of a block of K
   const int64_t block_v = num_kv_heads * block_size * head_dim;
   const uint32_t* keys = reinterpret_cast<const uint32_t*>(k_cache) + h * pairs * block_size;
   const int64_t k_row_bytes = block_size * 4;
-  const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-1e30f);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i sixteen = _mm512_set1_epi32(16);
-  for (int64_t t0 = 0; t0 < last_len; t0 += 32) {
-    const int64_t n = std::min<int64_t>(32, last_len - t0);  // tokens past n: masked scores, zero values
-    // The two halves' keys (a half past the sequence reads the first half's keys again: masked).
-    const uint32_t* kb[2];
-    for (int c = 0; c < 2; ++c) {
-      const int64_t t = c * 16 < n ? t0 + c * 16 : t0;
-      kb[c] = keys + table[t / block_size] * block_k + t % block_size;
-    }
-    interleave_value_pairs(s.vp.data(), 16, head_dim, [&](int64_t t) -> const uint16_t* {  // may cross a block
-      if (t >= n) return nullptr;
+  scratch(s.vp, chunks * 16 * head_dim);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t t0 = c * 32, n = std::min<int64_t>(32, last_len - t0);  // tokens past n: zero values
+    interleave_value_pairs(s.vp.data() + c * 16 * head_dim, 16, head_dim, [&](int64_t t) -> const uint16_t* {
+      if (t >= n) return nullptr;  // a chunk may cross a block
       return reinterpret_cast<const uint16_t*>(v_cache) + table[(t0 + t) / block_size] * block_v +
              (h * block_size + (t0 + t) % block_size) * head_dim;
     });
-    for (int64_t sub = 0; sub < subs; ++sub) {
-      const c10::BFloat16* qa = s.qa.data() + sub * 16 * head_dim;
+  }
+  configure_attention_tiles();
+  const float log2e = 1.44269504088896341f;
+  const __m512 vexp = _mm512_set1_ps(scale * log2e), floor = _mm512_set1_ps(-1e30f);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const float lazy = kLazyMax / scale;  // in the raw scores' units
+  float* const o = s.o.data();
+  float* const sums = s.sums.data();
+  for (int64_t sub = 0; sub < subs; ++sub) {
+    const c10::BFloat16* qa = s.qa.data() + sub * 16 * head_dim;
+    const int32_t* len = s.len.data() + sub * 16;  // ascending over the lanes
+    alignas(64) float m[16];  // each row's max (raw scores), -inf until its first visible score
+    for (int r = 0; r < 16; ++r) m[r] = -INFINITY;
+    std::fill(sums, sums + 256, 0.f);
+    if constexpr (kOutputInTiles) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+    } else {
+      std::fill(o, o + 16 * head_dim, 0.f);
+    }
+    for (int64_t t0 = 0; t0 < len[15]; t0 += 32) {
+      const int64_t n = std::min<int64_t>(32, last_len - t0);
+      const uint32_t* vp = s.vp.data() + (t0 / 32) * 16 * head_dim;
+      const uint32_t* kb[2];  // the two halves' keys (a half past the sequence reads the first half's: masked)
+      for (int c = 0; c < 2; ++c) {
+        const int64_t t = c * 16 < n ? t0 + c * 16 : t0;
+        kb[c] = keys + table[t / block_size] * block_k + t % block_size;
+      }
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t k = 0; k < ksteps; ++k) {
@@ -595,72 +650,72 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
       }
       _tile_stored(2, s.s, 128);
       _tile_stored(3, s.s + 16, 128);
-      float* m = s.m.data() + sub * 16;
-      float* l = s.l.data() + sub * 16;
-      const int32_t* len = s.len.data() + sub * 16;
-      // The rows' scores scaled and masked (in place) and their maxima; then each row's new max and rescale
-      // factor for all 16 rows at once; then the probabilities and their sums.
-      alignas(64) float row_max[16], row_sum[16], alpha[16];
-      for (int64_t r = 0; r < 16; ++r) {
-        const __m512i limit = _mm512_set1_epi32(static_cast<int>(len[r] - t0));
-        const __m512 s0 = _mm512_mask_mul_ps(floor, _mm512_cmpgt_epi32_mask(limit, iota),
-                                             _mm512_load_ps(s.s + r * 32), vscale);
-        const __m512 s1 = _mm512_mask_mul_ps(floor, _mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, sixteen)),
-                                             _mm512_load_ps(s.s + r * 32 + 16), vscale);
-        _mm512_store_ps(s.s + r * 32, s0);
-        _mm512_store_ps(s.s + r * 32 + 16, s1);
-        row_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const bool masked = t0 + 32 > len[0];  // some row sees fewer than the chunk's 32 tokens
+      __mmask16 vis[16][2];
+      uint32_t raise = 0;  // rows whose max goes up
+      for (int r = 0; r < 16; ++r) {
+        __m512 s0 = _mm512_load_ps(s.s + r * 32), s1 = _mm512_load_ps(s.s + r * 32 + 16);
+        if (masked) {
+          const __m512i limit = _mm512_set1_epi32(static_cast<int>(len[r] - t0));
+          vis[r][0] = _mm512_cmpgt_epi32_mask(limit, iota);
+          vis[r][1] = _mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, sixteen));
+          s0 = _mm512_mask_mov_ps(floor, vis[r][0], s0);
+          s1 = _mm512_mask_mov_ps(floor, vis[r][1], s1);
+          _mm512_store_ps(s.s + r * 32, s0);
+          _mm512_store_ps(s.s + r * 32 + 16, s1);
+        }
+        if (_mm512_cmp_ps_mask(_mm512_max_ps(s0, s1), _mm512_set1_ps(m[r] + lazy), _CMP_GT_OQ))
+          raise |= 1u << r;
       }
-      const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(m_old, _mm512_load_ps(row_max));
-      _mm512_store_ps(alpha, exp512(_mm512_sub_ps(m_old, m_new)));
-      _mm512_storeu_ps(m, m_new);
-      for (int64_t r = 0; r < 16; ++r) {
-        const __m512 vm = _mm512_set1_ps(m[r]);
-        // A masked score's exp (floor - max) is 0 unless the row has seen no token yet: zeroed by its mask.
-        const __m512i limit = _mm512_set1_epi32(static_cast<int>(len[r] - t0));
-        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit, iota),
-                                              exp512(_mm512_sub_ps(_mm512_load_ps(s.s + r * 32), vm)));
-        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit, _mm512_add_epi32(iota, sixteen)),
-                                              exp512(_mm512_sub_ps(_mm512_load_ps(s.s + r * 32 + 16), vm)));
-        row_sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      if (raise) {  // new maxima: the sums and the output rescaled to them
+        if constexpr (kOutputInTiles) store_output_tiles<head_dim>(o);
+        for (int r = 0; r < 16; ++r) {
+          if (!(raise >> r & 1)) continue;
+          const float row_max = _mm512_reduce_max_ps(
+              _mm512_max_ps(_mm512_load_ps(s.s + r * 32), _mm512_load_ps(s.s + r * 32 + 16)));
+          const __m512 alpha = exp2_512(_mm512_set1_ps((m[r] - row_max) * scale * log2e));
+          m[r] = row_max;
+          _mm512_store_ps(sums + r * 16, _mm512_mul_ps(_mm512_load_ps(sums + r * 16), alpha));
+          for (int64_t d = 0; d < head_dim; d += 16)
+            _mm512_store_ps(o + r * head_dim + d, _mm512_mul_ps(_mm512_load_ps(o + r * head_dim + d), alpha));
+        }
+        if constexpr (kOutputInTiles) load_output_tiles<head_dim>(o);
+      }
+      for (int r = 0; r < 16; ++r) {
+        // p = e^(scale (s - m)) = 2^(s * scale log2e - m * scale log2e)
+        const __m512 bias = _mm512_set1_ps(m[r] * scale * log2e);
+        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s.s + r * 32), vexp, bias));
+        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s.s + r * 32 + 16), vexp, bias));
+        if (masked) {  // a masked score's 2^x is 0 unless the row has seen no token yet: zeroed by its mask
+          p0 = _mm512_maskz_mov_ps(vis[r][0], p0);
+          p1 = _mm512_maskz_mov_ps(vis[r][1], p1);
+        }
+        _mm512_store_ps(sums + r * 16, _mm512_add_ps(_mm512_load_ps(sums + r * 16), _mm512_add_ps(p0, p1)));
         _mm512_store_si512(s.p + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       }
-      _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_load_ps(alpha), _mm512_load_ps(row_sum)));
-      float* o = s.o.data() + sub * 16 * head_dim;
+      _tile_loadd(0, s.p, 64);
       for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_loadd(0, s.p, 64);
-        _tile_loadd(1, s.vp.data() + d0, head_dim * 4);
+        if constexpr (!kOutputInTiles) load_output_tiles<head_dim>(o + d0);
+        _tile_loadd(1, vp + d0, head_dim * 4);
         _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(1, s.vp.data() + d0 + 16, head_dim * 4);
+        _tile_loadd(1, vp + d0 + 16, head_dim * 4);
         _tile_dpbf16ps(5, 0, 1);
-        _tile_loadd(1, s.vp.data() + d0 + 32, head_dim * 4);
+        _tile_loadd(1, vp + d0 + 32, head_dim * 4);
         _tile_dpbf16ps(6, 0, 1);
-        _tile_loadd(1, s.vp.data() + d0 + 48, head_dim * 4);
+        _tile_loadd(1, vp + d0 + 48, head_dim * 4);
         _tile_dpbf16ps(7, 0, 1);
-        _tile_stored(4, s.pv.data() + d0, head_dim * 4);
-        _tile_stored(5, s.pv.data() + d0 + 16, head_dim * 4);
-        _tile_stored(6, s.pv.data() + d0 + 32, head_dim * 4);
-        _tile_stored(7, s.pv.data() + d0 + 48, head_dim * 4);
-      }
-      for (int64_t r = 0; r < 16; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int64_t d = 0; d < head_dim; d += 16)
-          _mm512_storeu_ps(o + r * head_dim + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + r * head_dim + d), a,
-                                                                  _mm512_loadu_ps(s.pv.data() + r * head_dim + d)));
+        if constexpr (!kOutputInTiles) store_output_tiles<head_dim>(o + d0);
       }
     }
-  }
-  for (int64_t v = 0; v < nq; ++v) {
-    const int64_t r = v / group, g = v % group;
-    const float* o = s.o.data() + v * head_dim;
-    const __m512 inv = _mm512_set1_ps(1.f / s.l[v]);
-    alignas(64) float row[head_dim];
-    for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-    store_row(row, out + r * out_stride + (h * group + g) * head_dim, head_dim);
+    if constexpr (kOutputInTiles) store_output_tiles<head_dim>(o);
+    for (int64_t lane = 0; lane < 16 && sub * 16 + lane < nq; ++lane) {
+      const int64_t v = sub * 16 + lane, r = v / group, g = v % group;
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(sums + lane * 16)));
+      alignas(64) float row[head_dim];
+      for (int64_t d = 0; d < head_dim; d += 16)
+        _mm512_store_ps(row + d, _mm512_mul_ps(_mm512_load_ps(o + lane * head_dim + d), inv));
+      store_row(row, out + r * out_stride + (h * group + g) * head_dim, head_dim);
+    }
   }
 }
 #endif
