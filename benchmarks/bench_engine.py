@@ -3,11 +3,19 @@
 Random 256-token prompts, 128 output tokens (ignore_eos), concurrency 1, 8 and 32. Prints a table and
 writes JSON. Also measures this machine's matmul GFLOP/s so the numbers can be read against the roofline.
 
+Then `make bench-peers`' workload in process, with the engine as `make serve` runs it (`--serve-config`, by default
+serve_config.yaml: its step budgets and its replica's CPUs as threads): 4 x concurrency requests, at most
+`concurrency` of them in flight, each finished one replaced at once, as `vllm bench serve --max-concurrency` sends
+them, with no HTTP, no ingress and no Ray around the engine. The served figures of `make bench-peers` over these
+are what the serving path keeps of its engine on the same workload; the table above runs each level as one batch
+of prompts on the engine's defaults (2,048 tokens a step), a shape no client sends.
+
     python -m benchmarks.bench_engine --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -38,6 +46,18 @@ class EngineRun:
     decode_only_tok_s: float
     steps: int
     step_samples: list[tuple[int, int, float]]  # (prefill tokens, decode tokens, seconds): a step-time model's data
+
+
+@dataclass
+class WorkloadRun:
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_ms: float
+    itl_p99_ms: float
+    steps: int
 
 
 @dataclass
@@ -94,6 +114,64 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, dty
                      [(s.num_prefill_tokens, s.num_decode_tokens, round(s.duration_s, 6)) for s in steps])
 
 
+def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int,
+                        temperature: float = 0.0, tag: str = "w") -> WorkloadRun:
+    """Every prompt as a request, at most `concurrency` in flight; each one that finishes is replaced by the next at
+    once (a closed loop, as a benchmark client with a concurrency limit drives a server)."""
+    engine.kv.reset_prefix_cache()
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
+    first_step = engine.stats().num_steps
+    added: dict[str, float] = {}
+    last: dict[str, float] = {}
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    produced = 0
+
+    def add(i: int) -> None:
+        rid = f"{tag}{concurrency}-{i}"
+        added[rid] = time.perf_counter()
+        engine.add_request(rid, prompts[i], params)
+
+    start = time.perf_counter()
+    nxt = min(concurrency, len(prompts))
+    for i in range(nxt):
+        add(i)
+    in_flight = nxt
+    while in_flight:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            if o.new_token_ids:
+                produced += len(o.new_token_ids)
+                if o.request_id in last:
+                    gaps.append(now - last[o.request_id])
+                else:
+                    ttfts.append(now - added[o.request_id])
+                last[o.request_id] = now
+            if o.finished:
+                in_flight -= 1
+                if nxt < len(prompts):
+                    add(nxt)
+                    nxt += 1
+                    in_flight += 1
+    wall = time.perf_counter() - start
+    gaps.sort()
+    steps = engine.stats().num_steps - first_step
+    return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall,
+                       statistics.median(ttfts) * 1000 if ttfts else float("nan"),
+                       gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"), steps)
+
+
+def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:
+    """The engine of the first application in a Serve config file as `make serve` builds it, on `model`, with room
+    for `max_concurrency` requests at once."""
+    from benchmarks.step_profile import serve_app_args
+    from deployments.config import AppArgs
+
+    config = AppArgs(**serve_app_args(serve_config)).engine_config()
+    return dataclasses.replace(config, model=model, max_num_seqs=max(config.max_num_seqs, max_concurrency))
+
+
 def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype,
            batches: list[int]) -> list[HFRun]:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -135,6 +213,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (as vllm bench serve); 1: sampled, OpenAI's default")
+    parser.add_argument("--serve-config", default=str(Path(__file__).resolve().parent.parent / "serve_config.yaml"),
+                        help="then bench-peers' workload on the engine as this Serve config runs it ('' to skip)")
+    parser.add_argument("--requests-per-concurrency", type=int, default=4,
+                        help="requests of that workload per concurrency level, times the level (bench-peers': 4)")
     parser.add_argument("--out", default="results/bench_engine.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -154,6 +236,19 @@ def main() -> None:
         for c in concurrencies if dtype == args.dtype else [1, max(concurrencies)]:
             runs.append(run_engine(engine, prompts[:c], args.output_len, dtype, args.temperature))
             log.info("engine %s c=%d: %.1f tok/s", dtype, c, runs[-1].output_tok_s)
+        del engine
+
+    workload: list[WorkloadRun] = []
+    served_config = None
+    if args.serve_config:
+        served_config = served_engine_config(Path(args.serve_config), args.model, max(concurrencies))
+        engine = LLMEngine(served_config, source=source)
+        engine.settle()
+        run_served_workload(engine, prompts[:2], 2, 8, tag="warm")
+        for c in concurrencies:
+            level_prompts = random_prompts(args.requests_per_concurrency * c, args.input_len, seed=1000 + c)
+            workload.append(run_served_workload(engine, level_prompts, c, args.output_len, args.temperature))
+            log.info("served workload c=%d: %.1f tok/s", c, workload[-1].output_tok_s)
         del engine
 
     hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else []
@@ -182,6 +277,16 @@ def main() -> None:
               f"{r.output_tok_s / roofline['output_tok_s']:8.1%}")
     for r in hf_runs:
         print(f"transformers generate {r.dtype} batch {r.batch}: {r.output_tok_s:.1f} tok/s")
+    if workload:
+        print(f"\nmake bench-peers' workload in process: {args.requests_per_concurrency} x concurrency requests, at "
+              f"most concurrency in flight, on the engine as {Path(args.serve_config).name} runs it "
+              f"({served_config.max_num_batched_tokens} tokens a step, beside decodes "
+              f"{served_config.max_tokens_with_decodes or served_config.max_num_batched_tokens}, "
+              f"{served_config.num_threads} threads)")
+        print(f"{'conc':>4} {'requests':>8} {'out tok/s':>10} {'TTFT p50':>9} {'ITL p99':>8} {'steps':>6}")
+        for w in workload:
+            print(f"{w.concurrency:4d} {w.requests:8d} {w.output_tok_s:10.1f} {w.ttft_p50_ms:7.1f}ms "
+                  f"{w.itl_p99_ms:6.1f}ms {w.steps:6d}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +296,9 @@ def main() -> None:
         "threads": default_num_threads(), "torch": torch.__version__, "attention_backend": backend,
         "matmul_gflops": gflops, "flops_per_output_token": per_output, "roofline": roofline,
         "engine": [asdict(r) for r in runs], "transformers": [asdict(r) for r in hf_runs],
+        "served_workload": {"serve_config": args.serve_config or None,
+                            "requests_per_concurrency": args.requests_per_concurrency,
+                            "runs": [asdict(w) for w in workload]},
     }, indent=2))
     hf_rows = [{"dtype": f"transformers {r.dtype}", "concurrency": r.batch, "output_tok_s": r.output_tok_s}
                for r in hf_runs]
