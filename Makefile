@@ -49,7 +49,8 @@ gpu-check:
 bench-engine: install model
 	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
 
-# The OpenAI API on 127.0.0.1:$(HTTP_PORT) (1 ingress, 2 engine replicas); Ray dashboard on 127.0.0.1:$(DASHBOARD_PORT).
+# The OpenAI API on 127.0.0.1:$(HTTP_PORT) (serve_config.yaml: 1 ingress, 1 engine replica of 2 CPUs); Ray dashboard on
+# 127.0.0.1:$(DASHBOARD_PORT).
 serve: install model
 	$(BIN)/python -m deployments.run --http-port $(HTTP_PORT) --dashboard-port $(DASHBOARD_PORT) \
 		--metrics-port $(METRICS_PORT) $(if $(PROXY_PORT),--proxy-port $(PROXY_PORT)) $(SERVE_CONFIG)
