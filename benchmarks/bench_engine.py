@@ -29,6 +29,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs, default_num_threads, resolve_dtype
 from benchmarks.plot import plot_bars
+from benchmarks.step_profile import SERVE_CONFIG, serve_app_args
+from deployments.config import AppArgs
 from engine.loader import load_model_source
 
 log = logging.getLogger("bench_engine")
@@ -165,9 +167,6 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
 def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:
     """The engine of the first application in a Serve config file as `make serve` builds it, on `model`, with room
     for `max_concurrency` requests at once."""
-    from benchmarks.step_profile import serve_app_args
-    from deployments.config import AppArgs
-
     config = AppArgs(**serve_app_args(serve_config)).engine_config()
     return dataclasses.replace(config, model=model, max_num_seqs=max(config.max_num_seqs, max_concurrency))
 
@@ -213,7 +212,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (as vllm bench serve); 1: sampled, OpenAI's default")
-    parser.add_argument("--serve-config", default=str(Path(__file__).resolve().parent.parent / "serve_config.yaml"),
+    parser.add_argument("--serve-config", default=str(SERVE_CONFIG),
                         help="then bench-peers' workload on the engine as this Serve config runs it ('' to skip)")
     parser.add_argument("--requests-per-concurrency", type=int, default=4,
                         help="requests of that workload per concurrency level, times the level (bench-peers': 4)")

@@ -610,8 +610,8 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
     });
   }
   configure_attention_tiles();
-  const float log2e = 1.44269504088896341f;
-  const __m512 vexp = _mm512_set1_ps(scale * log2e), floor = _mm512_set1_ps(-1e30f);
+  const float to_exp2 = scale * 1.44269504088896341f;  // scale * log2(e): e^(scale x) = 2^(to_exp2 x)
+  const __m512 vexp = _mm512_set1_ps(to_exp2), floor = _mm512_set1_ps(-1e30f);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i sixteen = _mm512_set1_epi32(16);
   const float lazy = kLazyMax / scale;  // in the raw scores' units
@@ -673,7 +673,7 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
           if (!(raise >> r & 1)) continue;
           const float row_max = _mm512_reduce_max_ps(
               _mm512_max_ps(_mm512_load_ps(s.s + r * 32), _mm512_load_ps(s.s + r * 32 + 16)));
-          const __m512 alpha = exp2_512(_mm512_set1_ps((m[r] - row_max) * scale * log2e));
+          const __m512 alpha = exp2_512(_mm512_set1_ps((m[r] - row_max) * to_exp2));
           m[r] = row_max;
           _mm512_store_ps(sums + r * 16, _mm512_mul_ps(_mm512_load_ps(sums + r * 16), alpha));
           for (int64_t d = 0; d < head_dim; d += 16)
@@ -682,8 +682,8 @@ void prefill_tile_amx(const c10::BFloat16* q, int64_t q_stride, const c10::BFloa
         if constexpr (kOutputInTiles) load_output_tiles<head_dim>(o);
       }
       for (int r = 0; r < 16; ++r) {
-        // p = e^(scale (s - m)) = 2^(s * scale log2e - m * scale log2e)
-        const __m512 bias = _mm512_set1_ps(m[r] * scale * log2e);
+        // p = e^(scale (s - m)) = 2^(s to_exp2 - m to_exp2)
+        const __m512 bias = _mm512_set1_ps(m[r] * to_exp2);
         __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s.s + r * 32), vexp, bias));
         __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s.s + r * 32 + 16), vexp, bias));
         if (masked) {  // a masked score's 2^x is 0 unless the row has seen no token yet: zeroed by its mask
