@@ -272,6 +272,32 @@ def test_validate_autoscale_fits_back_the_busy_slowdown_two_replicas_reported():
     assert fit_busy_slowdown(specs, PROFILE, config, 0.9) == 1.0  # faster side by side: no slowdown
 
 
+def test_validate_autoscale_sizes_the_busy_phase_to_what_two_calibrated_replicas_leave_room_for():
+    from autoscaling.capacity import CapacityModel
+    from autoscaling.slo_policy import SLOConfig
+    from benchmarks.validate_autoscale import (BUSY, BUSY_MIN, BUSY_ROOM, PHASES, _sizes, busy_share, scaled,
+                                               with_busy_share, workload)
+
+    config = SLOConfig()
+    assert busy_share(PROFILE, config, 5, 1.0, 1.0) == PHASES[BUSY][1]  # side by side as fast as alone: room enough
+    assert busy_share(PROFILE, config, 5, 1.0, 3.0) == BUSY_MIN  # two barely beat one: still more than one's
+    share = busy_share(PROFILE, config, 5, 1.6, 2.4)
+    sizes = _sizes(5)
+    alone = CapacityModel(scaled(PROFILE, 1.6), config.slo).capacity(sizes).alone_requests_per_s
+    pair = 2 * CapacityModel(scaled(PROFILE, 2.4), config.slo).capacity(sizes).requests_per_s
+    assert BUSY_MIN < share < PHASES[BUSY][1] and share * alone == pytest.approx(BUSY_ROOM * pair)
+    assert busy_share(PROFILE, config, 5, 1.6, 2.2) > share  # less slowdown side by side, more load
+    # Only the busy phase moves; the requests of the quiet phases stay as they were.
+    phases = with_busy_share(share)
+    assert phases[BUSY] == (PHASES[BUSY][0], share)
+    assert all(phases[i] == PHASES[i] for i in range(len(PHASES)) if i != BUSY)
+    before, after = workload(PROFILE, config, 5), workload(PROFILE, config, 5, phases)
+    quiet = PHASES[0][0]
+    assert [r for r in before if r.arrival_s < quiet] == [r for r in after if r.arrival_s < quiet]
+    busy = lambda specs: sum(quiet <= r.arrival_s < quiet + PHASES[BUSY][0] for r in specs)  # noqa: E731
+    assert busy(after) < busy(before)
+
+
 def test_a_ttft_objective_spends_an_overloaded_replica_on_the_requests_that_can_still_meet_it():
     """As engine.tenancy.WaitingQueue: a waiting request past the objective with no first token goes behind those
     on time. Overload then costs the requests beyond the replica's capacity instead of every one queued behind
