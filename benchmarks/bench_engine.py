@@ -30,6 +30,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs, default_num_threads, resolve_dtype
 from benchmarks.plot import plot_bars
 from benchmarks.step_profile import SERVE_CONFIG, serve_app_args
+from loadtests.metrics import percentile
 from deployments.config import AppArgs
 from engine.loader import load_model_source
 
@@ -157,11 +158,9 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
                     nxt += 1
                     in_flight += 1
     wall = time.perf_counter() - start
-    gaps.sort()
     steps = engine.stats().num_steps - first_step
-    return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall,
-                       statistics.median(ttfts) * 1000 if ttfts else float("nan"),
-                       gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"), steps)
+    return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall, percentile(ttfts, 0.5) * 1000,
+                       percentile(gaps, 0.99) * 1000, steps)
 
 
 def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:

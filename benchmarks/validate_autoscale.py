@@ -95,10 +95,14 @@ def _lengths(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     return lengths(INPUT_MEAN, INPUT_CV, MAX_INPUT, 4096), lengths(OUTPUT_MEAN, OUTPUT_CV, MAX_OUTPUT, 4096)
 
 
-def _sizes(seed: int) -> RequestSizes:
-    """What the capacity model plans with for the workload of `seed`: its first 512 requests."""
-    prompts, outputs = _lengths(np.random.default_rng(seed))
+def _planned_sizes(prompts: np.ndarray, outputs: np.ndarray) -> RequestSizes:
+    """What the capacity model plans with for a workload of these lengths: its first 512 requests."""
     return RequestSizes(prompts[:512].astype(float), np.zeros(512), outputs[:512].astype(float))
+
+
+def _sizes(seed: int) -> RequestSizes:
+    """_planned_sizes of the workload of `seed`."""
+    return _planned_sizes(*_lengths(np.random.default_rng(seed)))
 
 
 def busy_share(profile: ReplicaProfile, config: SLOConfig, seed: int, calibration: float,
@@ -124,7 +128,7 @@ def workload(profile: ReplicaProfile, config: SLOConfig, seed: int,
              phases: tuple[tuple[float, float], ...] = PHASES) -> list[RequestSpec]:
     rng = np.random.default_rng(seed)
     prompts, outputs = _lengths(rng)
-    alone = CapacityModel(profile, config.slo).capacity(_sizes(seed)).alone_requests_per_s
+    alone = CapacityModel(profile, config.slo).capacity(_planned_sizes(prompts, outputs)).alone_requests_per_s
     specs, start, i = [], 0.0, 0
     for seconds, share in phases:
         t = start + rng.exponential(1 / (share * alone))
