@@ -108,10 +108,17 @@ def test_the_safety_net_waits_for_the_replicas_already_starting_but_still_blocks
     # the queue before more are asked for.
     assert starting.num_replicas == 4 and "overloaded" not in starting.reason
     assert starting.state["last_overloaded_at"] == 600.0  # ... and a scale-in stays blocked
-    # Arrived, with a queue the four cannot work off within a lead time (320 * 400 tokens against 1,600 tok/s
-    # spare over 46 s): the safety net sees an overload again (the plan's drain asks for more still).
-    arrived = slo_decision(signals([replica(100.0, waiting=80.0)] * 4, now=630.0), FIXED, starting.state)
-    assert arrived.num_replicas > 4 and arrived.state["last_overloaded_at"] == 630.0
+    # Arrived: for one look-back window (10 s) and a metrics push (1 s) the replicas' averages are of the time before
+    # the new ones took their share, and the safety net does not read them as an overload.
+    queued = [replica(100.0, waiting=80.0)] * 4
+    arrived = slo_decision(signals(queued, now=630.0), FIXED, starting.state)
+    assert arrived.state["arrived_at"] == 630.0 and arrived.state["last_overloaded_at"] == 600.0
+    seen = slo_decision(signals(queued, now=640.0), FIXED, arrived.state)
+    assert "overloaded" not in seen.reason and seen.state["last_overloaded_at"] == 600.0
+    # Past it, with a queue the four cannot work off within a lead time (320 * 400 tokens against 1,600 tok/s spare
+    # over 46 s): the safety net sees an overload again (the plan's drain asks for more still).
+    still = slo_decision(signals(queued, now=641.5), FIXED, seen.state)
+    assert still.num_replicas > 4 and still.state["last_overloaded_at"] == 641.5
 
 
 def test_the_safety_net_leaves_a_queue_the_running_replicas_work_off_before_help_could_arrive():
