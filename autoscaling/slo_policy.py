@@ -270,11 +270,14 @@ def _drains_before_help_arrives(signals: DeploymentSignals, plan: Plan, load: Lo
 
 def _track_startup(state: dict[str, Any], signals: DeploymentSignals) -> dict[str, Any]:
     """Measures start-up: from the first decision that saw more replicas asked for than running, to the one that
-    saw them all running (kept as `arrived_at`). Each measurement replaces half of the estimate."""
+    saw them all running (kept as `arrived_at` when replicas were running beside them: a start from zero has no
+    earlier averages to wait out). Each measurement replaces half of the estimate."""
     if signals.target_replicas > signals.current_replicas:
         state.setdefault("starting_since", signals.now)
+        state.setdefault("starting_beside", signals.current_replicas)
     elif "starting_since" in state:
-        state["arrived_at"] = signals.now
+        if state.pop("starting_beside", 0) > 0:  # replicas that ran before them, whose averages the net reads
+            state["arrived_at"] = signals.now
         measured = signals.now - state.pop("starting_since")
         previous = state.get("startup_s")
         state["startup_s"] = measured if previous is None else (previous + measured) / 2

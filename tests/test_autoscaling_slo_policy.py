@@ -184,6 +184,11 @@ def test_in_the_replicas_first_window_a_rate_over_a_second_neither_scales_out_no
     # After a start from zero, the first window again.
     zero = slo_decision(signals([], now=500.0, ongoing=3.0), FIXED, after.state)
     assert "reported_since" not in zero.state
+    # The first replica from zero has no earlier replicas' averages to wait out: a queue it cannot drain scales out
+    # at once (after a scale-out from one or more, the safety net waits a look-back window: below).
+    waking = slo_decision(signals([], now=500.0, ongoing=40.0, target=1), FIXED, zero.state)
+    woke = slo_decision(signals(queued, now=515.0), FIXED, waking.state)
+    assert "arrived_at" not in woke.state and woke.num_replicas >= 2 and "overloaded" in woke.reason
 
 
 def test_before_any_capacity_is_reported_serves_rule_on_ongoing_requests_only_upward():
