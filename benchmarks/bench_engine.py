@@ -61,6 +61,9 @@ class WorkloadRun:
     ttft_p50_ms: float
     itl_p99_ms: float
     steps: int
+    ttft_p99_ms: float = 0.0
+    tpot_p50_ms: float = 0.0  # each request's (last token - first token) / (tokens - 1), as vllm bench serve's TPOT
+    itl_p50_ms: float = 0.0
 
 
 @dataclass
@@ -125,7 +128,9 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     first_step = engine.stats().num_steps
     added: dict[str, float] = {}
+    first: dict[str, float] = {}
     last: dict[str, float] = {}
+    counts: dict[str, int] = {}
     ttfts: list[float] = []
     gaps: list[float] = []
     produced = 0
@@ -150,7 +155,9 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
                     gaps.append(now - last[o.request_id])
                 else:
                     ttfts.append(now - added[o.request_id])
+                    first[o.request_id] = now
                 last[o.request_id] = now
+                counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
             if o.finished:
                 in_flight -= 1
                 if nxt < len(prompts):
@@ -159,8 +166,11 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
                     in_flight += 1
     wall = time.perf_counter() - start
     steps = engine.stats().num_steps - first_step
+    tpots = [(last[r] - first[r]) / (n - 1) for r, n in counts.items() if n > 1]
     return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall, percentile(ttfts, 0.5) * 1000,
-                       percentile(gaps, 0.99) * 1000, steps)
+                       percentile(gaps, 0.99) * 1000, steps, ttft_p99_ms=percentile(ttfts, 0.99) * 1000,
+                       tpot_p50_ms=percentile(tpots, 0.5) * 1000 if tpots else 0.0,
+                       itl_p50_ms=percentile(gaps, 0.5) * 1000)
 
 
 def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:
@@ -199,6 +209,20 @@ def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, dtype: t
     return runs
 
 
+def print_workload(workload: list[WorkloadRun], args: argparse.Namespace, served_config: EngineConfig | None) -> None:
+    if not workload:
+        return
+    print(f"\nmake bench-peers' workload in process: {args.requests_per_concurrency} x concurrency requests (at least "
+          f"{args.min_requests}), at most concurrency in flight, on the engine as {Path(args.serve_config).name} "
+          f"runs it ({served_config.max_num_batched_tokens} tokens a step, beside decodes "
+          f"{served_config.max_tokens_with_decodes or served_config.max_num_batched_tokens}, "
+          f"{served_config.num_threads} threads)")
+    print(f"{'conc':>4} {'requests':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p99':>8} {'steps':>6}")
+    for w in workload:
+        print(f"{w.concurrency:4d} {w.requests:8d} {w.output_tok_s:10.1f} {w.ttft_p50_ms:7.1f}ms "
+              f"{w.tpot_p50_ms:7.1f}ms {w.itl_p99_ms:6.1f}ms {w.steps:6d}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -215,6 +239,11 @@ def main() -> None:
                         help="then bench-peers' workload on the engine as this Serve config runs it ('' to skip)")
     parser.add_argument("--requests-per-concurrency", type=int, default=4,
                         help="requests of that workload per concurrency level, times the level (bench-peers': 4)")
+    parser.add_argument("--min-requests", type=int, default=8,
+                        help="and at least this many per level (bench-peers': 8)")
+    parser.add_argument("--workload-only", action="store_true",
+                        help="only bench-peers' workload (how `make bench-peers` runs the in-process engine beside "
+                             "the servers): no batch table, no transformers, no matmul roofline")
     parser.add_argument("--out", default="results/bench_engine.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -225,7 +254,7 @@ def main() -> None:
 
     runs: list[EngineRun] = []
     backend = None
-    for dtype in [args.dtype] + ([args.compare_dtype] if args.compare_dtype else []):
+    for dtype in [] if args.workload_only else [args.dtype] + ([args.compare_dtype] if args.compare_dtype else []):
         engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, max_num_seqs=max(concurrencies),
                                         attention_backend=args.attention_backend), source=source)
         backend = backend or engine.runner.attention_backend
@@ -244,10 +273,25 @@ def main() -> None:
         engine.settle()
         run_served_workload(engine, prompts[:2], 2, 8, tag="warm")
         for c in concurrencies:
-            level_prompts = random_prompts(args.requests_per_concurrency * c, args.input_len, seed=1000 + c)
+            level_prompts = random_prompts(max(args.min_requests, args.requests_per_concurrency * c), args.input_len,
+                                           seed=1000 + c)
             workload.append(run_served_workload(engine, level_prompts, c, args.output_len, args.temperature))
             log.info("served workload c=%d: %.1f tok/s", c, workload[-1].output_tok_s)
         del engine
+
+    if args.workload_only:
+        print_workload(workload, args, served_config)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+            "temperature": args.temperature, "torch": torch.__version__,
+            "served_workload": {"serve_config": args.serve_config or None,
+                                "requests_per_concurrency": args.requests_per_concurrency,
+                                "min_requests": args.min_requests, "runs": [asdict(w) for w in workload]},
+        }, indent=2))
+        print(f"wrote {out}")
+        return
 
     hf_batches = [int(b) for b in args.hf_batches.split(",")] if args.hf_batches else []
     hf_runs = run_hf(Path(args.model), prompts, args.output_len, resolve_dtype(args.dtype), hf_batches)
@@ -275,16 +319,7 @@ def main() -> None:
               f"{r.output_tok_s / roofline['output_tok_s']:8.1%}")
     for r in hf_runs:
         print(f"transformers generate {r.dtype} batch {r.batch}: {r.output_tok_s:.1f} tok/s")
-    if workload:
-        print(f"\nmake bench-peers' workload in process: {args.requests_per_concurrency} x concurrency requests, at "
-              f"most concurrency in flight, on the engine as {Path(args.serve_config).name} runs it "
-              f"({served_config.max_num_batched_tokens} tokens a step, beside decodes "
-              f"{served_config.max_tokens_with_decodes or served_config.max_num_batched_tokens}, "
-              f"{served_config.num_threads} threads)")
-        print(f"{'conc':>4} {'requests':>8} {'out tok/s':>10} {'TTFT p50':>9} {'ITL p99':>8} {'steps':>6}")
-        for w in workload:
-            print(f"{w.concurrency:4d} {w.requests:8d} {w.output_tok_s:10.1f} {w.ttft_p50_ms:7.1f}ms "
-                  f"{w.itl_p99_ms:6.1f}ms {w.steps:6d}")
+    print_workload(workload, args, served_config)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,11 @@ space set, no CPU reserved for its front end), and serves a Hugging Face folder 
 `--input-len` tokens, `--output-len` output tokens with ignore_eos, at each concurrency. Where vLLM cannot be
 installed the benchmark says so and stops.
 
+A system named `engine` (or `engine...=CONFIG.yaml[,FIELD=VALUE...]`) is no server: it runs the same workload on the
+in-process engine as that Serve config builds it (`python -m benchmarks.bench_engine --workload-only`, its own
+process, no HTTP, no ingress, no Ray), in its turn with the servers. Each tokenline server's output tok/s over the
+engine's in the same round is the served path's share of its engine, measured side by side.
+
     python -m benchmarks.bench_peers --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 from __future__ import annotations
@@ -31,6 +36,7 @@ log = logging.getLogger("bench_peers")
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP_VLLM = ROOT / "benchmarks" / "peers" / "setup_vllm_cpu.sh"
+MIN_PROMPTS = 8  # requests a level at the least, whatever the concurrency
 
 
 @dataclass
@@ -38,8 +44,8 @@ class System:
     """One server configuration and how to start it."""
 
     name: str
-    kind: str  # "vllm" or "tokenline"
-    target: str = ""  # tokenline: a Serve config YAML
+    kind: str  # "vllm", "tokenline" or "engine" (the in-process engine on the same workload)
+    target: str = ""  # tokenline and engine: a Serve config YAML
     args: dict[str, str] = field(default_factory=dict)  # tokenline: AppArgs overrides (dotted for nested fields)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -61,13 +67,15 @@ class Level:
 
 
 def parse_system(spec: str) -> System:
-    """`vllm`, or `NAME=CONFIG.yaml[,FIELD=VALUE...][,env.VAR=VALUE...]` for a tokenline configuration."""
+    """`vllm`, or `NAME=CONFIG.yaml[,FIELD=VALUE...][,env.VAR=VALUE...]` for a tokenline configuration; a NAME that
+    starts with `engine` (alone: `engine`, on serve_config.yaml) is the in-process engine of that configuration."""
     if spec == "vllm":
         return System("vllm", "vllm")
     name, _, rest = spec.partition("=")
-    config, *pairs = rest.split(",")
+    config, *pairs = (rest or "serve_config.yaml").split(",")
     overrides = dict(p.split("=", 1) for p in pairs if p)
-    return System(name, "tokenline", config, {k: v for k, v in overrides.items() if not k.startswith("env.")},
+    return System(name, "engine" if name.startswith("engine") else "tokenline", config,
+                  {k: v for k, v in overrides.items() if not k.startswith("env.")},
                   {k[4:]: v for k, v in overrides.items() if k.startswith("env.")})
 
 
@@ -217,9 +225,55 @@ def run_client(vllm: Path, system: System, base_url: str, model_name: str, hf_di
                  r["duration"])
 
 
+def run_engine_workload(system: System, model: str, concurrencies: list[int], args: argparse.Namespace,
+                        log_path: Path, timeout_s: float = 3600) -> list[Level]:
+    """The in-process engine of the system's Serve config on the servers' workload, in a process of its own: at most
+    `concurrency` requests in flight, as many requests a level as the client sends a server."""
+    config = tokenline_config(system, model, log_path.with_suffix(".yaml"))
+    result = log_path.with_suffix(".json")
+    cmd = [sys.executable, "-m", "benchmarks.bench_engine", "--model", model, "--serve-config", str(config),
+           "--workload-only", "--concurrency", ",".join(str(c) for c in concurrencies), "--input-len",
+           str(args.input_len), "--output-len", str(args.output_len), "--requests-per-concurrency",
+           str(args.prompts_per_concurrency), "--min-requests", str(MIN_PROMPTS), "--out", str(result)]
+    log.info("running %s: %s", system.name, " ".join(cmd))
+    env = {**os.environ, **system.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                 os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as out:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"the in-process engine failed ({done.returncode}); see {log_path}")
+    runs = json.loads(result.read_text())["served_workload"]["runs"]
+    return [Level(system.name, r["concurrency"], r["requests"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"],
+                  r["ttft_p99_ms"], r["tpot_p50_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["wall_s"]) for r in runs]
+
+
+def served_shares(levels: list[Level], systems: list[System]) -> dict[str, dict[int, dict[str, float]]]:
+    """Each tokenline server's output tok/s over its in-process engine's (the first `engine` system), within each
+    round, then the median and range over the rounds."""
+    engine = next((s.name for s in systems if s.kind == "engine"), None)
+    if engine is None:
+        return {}
+    servers = {s.name for s in systems if s.kind == "tokenline"}
+    spread = ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
+    return {system: {c: cell["output_tok_s"] for c, cell in by_c.items()} for system, by_c in spread.items()}
+
+
+def print_shares(shares: dict[str, dict[int, dict[str, float]]], engine: str) -> None:
+    print(f"\nthe served path's share of the in-process engine ({engine}), output tok/s within each round: median "
+          f"(range) and the rounds'")
+    for system, by_c in shares.items():
+        for c, cell in sorted(by_c.items()):
+            rounds = " / ".join(f"{v:.0%}" for v in cell["rounds"])
+            print(f"{system:18} {c:4d} {cell['median']:5.0%} ({cell['min']:.0%}-{cell['max']:.0%})   {rounds}")
+
+
 def served_name(base_url: str) -> str:
     with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
+
+
+def _over(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str, float]]]:
@@ -230,8 +284,8 @@ def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str,
         if lv.system == reference or r is None:
             continue
         out.setdefault(lv.system, {})[lv.concurrency] = {
-            "output_tok_s": lv.output_tok_s / r.output_tok_s, "ttft_p50": lv.ttft_p50_ms / r.ttft_p50_ms,
-            "tpot_p50": lv.tpot_p50_ms / r.tpot_p50_ms, "itl_p99": lv.itl_p99_ms / r.itl_p99_ms}
+            "output_tok_s": _over(lv.output_tok_s, r.output_tok_s), "ttft_p50": _over(lv.ttft_p50_ms, r.ttft_p50_ms),
+            "tpot_p50": _over(lv.tpot_p50_ms, r.tpot_p50_ms), "itl_p99": _over(lv.itl_p99_ms, r.itl_p99_ms)}
     return out
 
 
@@ -327,10 +381,12 @@ def main() -> None:
                                                    / "peers"), help="vLLM's venv and the exported HF folder")
     parser.add_argument("--systems", nargs="+", default=["vllm", "tokenline=serve_config.yaml"],
                         help="`vllm` and/or NAME=SERVE_CONFIG.yaml[,FIELD=VALUE...][,env.VAR=VALUE...] for tokenline "
-                             "configurations (FIELD: an AppArgs field, dotted for nested ones)")
+                             "configurations (FIELD: an AppArgs field, dotted for nested ones); `engine` (or a NAME "
+                             "that starts with it) for the in-process engine of a configuration on the same "
+                             "workload, whose ratio to each server is the served path's share")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--prompts-per-concurrency", type=int, default=4,
-                        help="requests per level: this times the concurrency (at least 8)")
+                        help=f"requests per level: this times the concurrency (at least {MIN_PROMPTS})")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -362,6 +418,14 @@ def main() -> None:
     order = [(r, system) for r in range(max(1, args.rounds))
              for system in (systems if r % 2 == 0 else systems[::-1])]
     for r, system in order:
+        if system.kind == "engine":
+            for level in run_engine_workload(system, str(Path(args.model).expanduser()), concurrencies, args,
+                                             logs / f"{system.name}.log"):
+                level.round = r
+                log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, system.name,
+                         level.concurrency, level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
+                levels.append(level)
+            continue
         shm_before = shm_names()
         process = start(system, str(Path(args.model).expanduser()), hf_dir, args.port, venv,
                         logs / f"{system.name}.log")
@@ -372,7 +436,7 @@ def main() -> None:
             name = served_name(base_url)
             for c in concurrencies:
                 level = run_client(vllm, system, base_url, name, hf_dir, c,
-                                   max(8, args.prompts_per_concurrency * c), args, logs)
+                                   max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs)
                 level.round = r
                 log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, system.name, c,
                          level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
@@ -392,12 +456,15 @@ def main() -> None:
     median_figures = median_levels(levels)
     if len(by_round) > 1:
         print_spread(median_figures, len(by_round), spread)
+    shares = served_shares(levels, systems)
+    if shares:
+        print_shares(shares, next(s.name for s in systems if s.kind == "engine"))
     medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
                for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
                                "rounds": len(by_round), "systems": [asdict(s) for s in systems],
                                "levels": [asdict(lv) for lv in levels], "ratios_vs_vllm": medians,
-                               "ratio_spread_vs_vllm": spread}, indent=2))
+                               "ratio_spread_vs_vllm": spread, "served_share_of_engine": shares}, indent=2))
     plot(median_figures, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
