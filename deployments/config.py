@@ -111,6 +111,9 @@ class AppArgs(_FlatEngineArgs):
     ingress_max_ongoing_requests: int = Field(512, ge=1)
     # Seconds an engine replica waits after sending a chunk before sending the next: 0 sends one per engine step.
     stream_interval_s: float = Field(0.0, ge=0, le=1.0)
+    # ... only while the replica streams more than this many requests (0: always): under load, fewer and larger
+    # chunks cost the ingress and the client less CPU, which the engine shares; a few streams keep a chunk a step.
+    stream_interval_min_streams: int = Field(0, ge=0)
     # Engine replicas send a request's chunks after the first over one connection per ingress replica, all of an
     # engine step's chunks for that ingress in one message (deployments/token_channel.py); false: one Serve
     # streaming item per chunk.

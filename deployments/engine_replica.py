@@ -1,8 +1,9 @@
 """EngineReplica: one AsyncEngine behind a Ray Serve deployment, streaming token ids to the ingress.
 
 A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
-request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s`:
-the engine merges what piles up meanwhile, so a busy replica sends fewer, larger messages. A request that names
+request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s` (while
+more than `stream_interval_min_streams` requests stream): the engine merges what piles up meanwhile, so a busy
+replica sends fewer, larger messages. A request that names
 its ingress's token channel gets every chunk over the channel, every chunk of a step for that ingress in one message
 (deployments/token_channel.py); its Serve stream carries a refusal or a failure, or ends with a ChannelEnd.
 
@@ -37,7 +38,7 @@ from deployments.engine_metrics import EngineMetrics
 from deployments.limits import ADMIT_WAIT_FRACTION
 from deployments.records import (ColdStart, EngineRequest, EngineTimeline, GenerationChunk, ProfileResult,
                                  ReplicaStats, ReplicaSteps, RequestRejected)
-from deployments.token_channel import ChannelEnd, ChannelLinks, relay
+from deployments.token_channel import ChannelEnd, ChannelLinks, coalescing_interval, relay
 from deployments.tp_ranks import RayRanks
 from engine import AsyncEngine, EngineOutput, InvalidRequestError, LLMEngine
 from engine.failures import FailureKind, RequestFailure
@@ -72,6 +73,7 @@ class EngineReplica:
         self.engine = AsyncEngine(config, core, on_death=self._exit_on_engine_death)
         self.retry_after_s = args.limits.retry_after_s
         self.stream_interval_s = args.stream_interval_s
+        self.stream_interval_min_streams = args.stream_interval_min_streams
         self._links = ChannelLinks()
         info = self.engine.model_info()
         self.metrics = EngineMetrics(args.model_name(), self.replica_id, info.limits.max_model_len)
@@ -119,13 +121,17 @@ class EngineReplica:
             batches = _one_by_one(choices[0]) if num_choices == 1 else _merged(choices)
             lost = functools.partial(RequestRejected, "the engine replica lost its connection to the ingress",
                                      code="token_channel_lost", status=500)
-            async for item in relay(batches, link, request.channel_key, lost, self.stream_interval_s):
+            interval = self._stream_interval if self.stream_interval_s else 0.0
+            async for item in relay(batches, link, request.channel_key, lost, interval):
                 yield item
         except ChoiceFailed as exc:
             failure = exc.failure
             yield RequestRejected(failure.message, failure.param, failure.code, FAILURE_STATUS[failure.kind])
         finally:
             self._num_active_streams -= 1
+
+    def _stream_interval(self) -> float:
+        return coalescing_interval(self.stream_interval_s, self.stream_interval_min_streams, self._num_active_streams)
 
     def _refusal(self, request: EngineRequest) -> RequestRejected | None:
         """Why this replica will not take the request, if it will not: its input, a full queue, or no time."""

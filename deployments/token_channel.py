@@ -260,12 +260,18 @@ class _Link:
             self._writer.close()
 
 
+def coalescing_interval(interval_s: float, min_streams: int, active_streams: int) -> float:
+    """The wait after a chunk: `interval_s` while more than `min_streams` requests stream (0: always), else none."""
+    return interval_s if active_streams > min_streams else 0.0
+
+
 async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost: Callable[[], Any],
-                interval_s: float = 0.0) -> AsyncIterator[Any]:
+                interval_s: float | Callable[[], float] = 0.0) -> AsyncIterator[Any]:
     """An engine replica's side of one request: each batch goes over `link` under `key`, and what must go through
     the request's Serve stream comes out: every batch where there is no link or it broke before the first was sent
     (nothing is lost then), `lost()` and the end where it broke later (what it carried may be lost), and a
-    `ChannelEnd` with the number of messages it carried. At most one batch every `interval_s`."""
+    `ChannelEnd` with the number of messages it carried. At most one batch every `interval_s` (a callable: read
+    after each batch, so the wait can follow the replica's load)."""
     sent = 0
     async for batch in batches:
         if link is not None:
@@ -280,8 +286,9 @@ async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost:
                 link = None
         if link is None:
             yield batch
-        if interval_s:
-            await asyncio.sleep(interval_s)
+        wait = interval_s() if callable(interval_s) else interval_s
+        if wait:
+            await asyncio.sleep(wait)
     if sent:
         yield ChannelEnd(sent)
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from deployments.token_channel import (ChannelAddress, ChannelBroken, ChannelEnd, ChannelLinks, ChannelServer,
-                                       ChannelledStream, relay)
+                                       ChannelledStream, coalescing_interval, relay)
 
 
 class FakeServeStream:
@@ -212,3 +212,29 @@ def test_relay_sends_every_batch_over_a_link_and_falls_back_to_serve_only_before
         assert [item async for item in relay(breaking(), link, key, lost)] == ["lost"]
 
     run_with_channel(body)
+
+
+def test_the_wait_between_chunks_follows_the_replicas_load(monkeypatch):
+    assert coalescing_interval(0.05, 0, 1) == 0.05  # no floor: always
+    assert coalescing_interval(0.05, 16, 16) == 0.0  # a few streams: a chunk a step
+    assert coalescing_interval(0.05, 16, 17) == 0.05  # under load: fewer, larger chunks
+    assert coalescing_interval(0.0, 0, 40) == 0.0
+
+    async def body():
+        asked, slept = [], []
+        real_sleep = asyncio.sleep
+
+        async def recorded_sleep(seconds):
+            slept.append(seconds)
+            await real_sleep(0)
+
+        def interval():  # read after each batch: the load changes while a request streams
+            asked.append(len(asked))
+            return 0.02 if len(asked) == 2 else 0.0
+
+        monkeypatch.setattr(asyncio, "sleep", recorded_sleep)
+        out = [item async for item in relay(batches_of(["a", "b", "c"]), None, 0, lambda: "lost", interval)]
+        monkeypatch.undo()
+        assert out == ["a", "b", "c"] and asked == [0, 1, 2] and slept == [0.02]
+
+    asyncio.run(body())
