@@ -271,7 +271,7 @@ async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost:
     the request's Serve stream comes out: every batch where there is no link or it broke before the first was sent
     (nothing is lost then), `lost()` and the end where it broke later (what it carried may be lost), and a
     `ChannelEnd` with the number of messages it carried. At most one batch every `interval_s` (a callable: read
-    after each batch, so the wait can follow the replica's load)."""
+    after each batch, so the wait can follow the replica's load), on ticks every stream shares."""
     sent = 0
     async for batch in batches:
         if link is not None:
@@ -288,7 +288,9 @@ async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost:
             yield batch
         wait = interval_s() if callable(interval_s) else interval_s
         if wait:
-            await asyncio.sleep(wait)
+            # To the interval's next tick on the loop's clock, which every stream of the replica shares: their
+            # chunks leave in one turn of the loop, one message per ingress, rather than one each at its own time.
+            await asyncio.sleep(wait - asyncio.get_running_loop().time() % wait)
     if sent:
         yield ChannelEnd(sent)
 

@@ -235,6 +235,8 @@ def test_the_wait_between_chunks_follows_the_replicas_load(monkeypatch):
         monkeypatch.setattr(asyncio, "sleep", recorded_sleep)
         out = [item async for item in relay(batches_of(["a", "b", "c"]), None, 0, lambda: "lost", interval)]
         monkeypatch.undo()
-        assert out == ["a", "b", "c"] and asked == [0, 1, 2] and slept == [0.02]
+        assert out == ["a", "b", "c"] and asked == [0, 1, 2] and len(slept) == 1
+        # to the next tick of the loop's clock, which every stream shares, so their chunks leave together
+        assert 0 < slept[0] <= 0.02
 
     asyncio.run(body())
