@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import mmap
 
-from benchmarks.bench_peers import (Level, System, median_levels, parse_system, ratio_spread, run_engine_workload,
-                                    served_shares, shm_names, sweep_shm)
+from benchmarks.bench_peers import (Level, System, median_levels, parse_system, ratio_spread, round_order,
+                                    run_engine_workload, served_shares, shm_names, sweep_shm)
 from tests.tiny_models import write_tiny_model
 
 
@@ -87,3 +87,13 @@ def test_the_engine_runs_the_servers_workload_in_a_process_of_its_own(tmp_path):
     for lv in levels:
         assert lv.output_tok_s > 0 and lv.ttft_p50_ms > 0 and lv.tpot_p50_ms > 0 and lv.itl_p99_ms >= lv.itl_p50_ms
         assert abs(lv.output_tok_s * lv.wall_s - lv.num_prompts * 6) < 1e-6 * lv.num_prompts * 6
+
+
+def test_each_round_turns_the_order_so_every_system_runs_in_every_place():
+    systems = [parse_system(s) for s in ("vllm", "tokenline=serve_config.yaml", "engine")]
+    orders = [round_order(systems, r) for r in range(3)]
+    assert orders[0] == ["vllm", "tokenline", "engine"]
+    for place in range(3):
+        assert sorted(order[place] for order in orders) == ["engine", "tokenline", "vllm"]
+    assert [round_order(systems[:2], r) for r in range(3)] == [["vllm", "tokenline"], ["tokenline", "vllm"],
+                                                               ["vllm", "tokenline"]]  # two: every other reversed
