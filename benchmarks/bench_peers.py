@@ -424,9 +424,8 @@ def main() -> None:
     levels: list[Level] = []
     logs = out.parent / "bench_peers_logs"
     logs.mkdir(exist_ok=True)
-    order = [(r, system.name) for r in range(max(1, args.rounds)) for system in round_order(systems, r)]
     by_name = {s.name: s for s in systems}
-    order = [(r, by_name[name]) for r, name in order]
+    order = [(r, by_name[name]) for r in range(max(1, args.rounds)) for name in round_order(systems, r)]
     for r, system in order:
         if system.kind == "engine":
             for level in run_engine_workload(system, str(Path(args.model).expanduser()), concurrencies, args,
