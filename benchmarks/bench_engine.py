@@ -279,16 +279,16 @@ def main() -> None:
             log.info("served workload c=%d: %.1f tok/s", c, workload[-1].output_tok_s)
         del engine
 
+    served_workload = {"serve_config": args.serve_config or None,
+                       "requests_per_concurrency": args.requests_per_concurrency, "min_requests": args.min_requests,
+                       "runs": [asdict(w) for w in workload]}
     if args.workload_only:
         print_workload(workload, args, served_config)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({
             "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-            "temperature": args.temperature, "torch": torch.__version__,
-            "served_workload": {"serve_config": args.serve_config or None,
-                                "requests_per_concurrency": args.requests_per_concurrency,
-                                "min_requests": args.min_requests, "runs": [asdict(w) for w in workload]},
+            "temperature": args.temperature, "torch": torch.__version__, "served_workload": served_workload,
         }, indent=2))
         print(f"wrote {out}")
         return
@@ -329,9 +329,7 @@ def main() -> None:
         "threads": default_num_threads(), "torch": torch.__version__, "attention_backend": backend,
         "matmul_gflops": gflops, "flops_per_output_token": per_output, "roofline": roofline,
         "engine": [asdict(r) for r in runs], "transformers": [asdict(r) for r in hf_runs],
-        "served_workload": {"serve_config": args.serve_config or None,
-                            "requests_per_concurrency": args.requests_per_concurrency,
-                            "runs": [asdict(w) for w in workload]},
+        "served_workload": served_workload,
     }, indent=2))
     hf_rows = [{"dtype": f"transformers {r.dtype}", "concurrency": r.batch, "output_tok_s": r.output_tok_s}
                for r in hf_runs]

@@ -247,10 +247,15 @@ def run_engine_workload(system: System, model: str, concurrencies: list[int], ar
                   r["ttft_p99_ms"], r["tpot_p50_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["wall_s"]) for r in runs]
 
 
+def engine_system(systems: list[System]) -> str | None:
+    """The name of the first in-process engine among the systems, the reference of the served shares."""
+    return next((s.name for s in systems if s.kind == "engine"), None)
+
+
 def served_shares(levels: list[Level], systems: list[System]) -> dict[str, dict[int, dict[str, float]]]:
     """Each tokenline server's output tok/s over its in-process engine's (the first `engine` system), within each
     round, then the median and range over the rounds."""
-    engine = next((s.name for s in systems if s.kind == "engine"), None)
+    engine = engine_system(systems)
     if engine is None:
         return {}
     servers = {s.name for s in systems if s.kind == "tokenline"}
@@ -426,14 +431,18 @@ def main() -> None:
     logs.mkdir(exist_ok=True)
     by_name = {s.name: s for s in systems}
     order = [(r, by_name[name]) for r in range(max(1, args.rounds)) for name in round_order(systems, r)]
+
+    def record(level: Level, r: int) -> None:
+        level.round = r
+        log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, level.system,
+                 level.concurrency, level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
+        levels.append(level)
+
     for r, system in order:
         if system.kind == "engine":
             for level in run_engine_workload(system, str(Path(args.model).expanduser()), concurrencies, args,
                                              logs / f"{system.name}.log"):
-                level.round = r
-                log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, system.name,
-                         level.concurrency, level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
-                levels.append(level)
+                record(level, r)
             continue
         shm_before = shm_names()
         process = start(system, str(Path(args.model).expanduser()), hf_dir, args.port, venv,
@@ -444,12 +453,8 @@ def main() -> None:
             log.info("%s ready in %.0fs", system.name, time.monotonic() - started)
             name = served_name(base_url)
             for c in concurrencies:
-                level = run_client(vllm, system, base_url, name, hf_dir, c,
-                                   max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs)
-                level.round = r
-                log.info("round %d, %s c=%d: %.1f tok/s, TTFT p50 %.0f ms, ITL p99 %.0f ms", r + 1, system.name, c,
-                         level.output_tok_s, level.ttft_p50_ms, level.itl_p99_ms)
-                levels.append(level)
+                record(run_client(vllm, system, base_url, name, hf_dir, c,
+                                  max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs), r)
         finally:
             stop(process)
             leaked = sweep_shm(shm_before)
@@ -467,7 +472,7 @@ def main() -> None:
         print_spread(median_figures, len(by_round), spread)
     shares = served_shares(levels, systems)
     if shares:
-        print_shares(shares, next(s.name for s in systems if s.kind == "engine"))
+        print_shares(shares, engine_system(systems))
     medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
                for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,

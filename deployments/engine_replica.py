@@ -3,9 +3,9 @@
 A caller that goes away cancels `generate`; the cancellation runs through the engine's stream, which aborts the
 request and frees its blocks. Chunks go out once per engine step, or at most once per `stream_interval_s` (while
 more than `stream_interval_min_streams` requests stream): the engine merges what piles up meanwhile, so a busy
-replica sends fewer, larger messages. A request that names
-its ingress's token channel gets every chunk over the channel, every chunk of a step for that ingress in one message
-(deployments/token_channel.py); its Serve stream carries a refusal or a failure, or ends with a ChannelEnd.
+replica sends fewer, larger messages. A request that names its ingress's token channel gets every chunk over the
+channel, every chunk of a step for that ingress in one message (deployments/token_channel.py); its Serve stream
+carries a refusal or a failure, or ends with a ChannelEnd.
 
 Admission: a request is refused at once (503, Retry-After = this replica's backlog: the wait before it could
 start) when, behind what the replica holds, it would finish past ADMIT_WAIT_FRACTION of the time left before its
