@@ -29,12 +29,17 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.config import ModelArgs, default_num_threads, resolve_dtype
 from benchmarks.plot import plot_bars
+from benchmarks.step_figures import step_figures
 from benchmarks.step_profile import SERVE_CONFIG, serve_app_args
 from loadtests.metrics import percentile
 from deployments.config import AppArgs
 from engine.loader import load_model_source
 
 log = logging.getLogger("bench_engine")
+
+# Steps the in-process workload's engine keeps: every step of a level (128 requests of 128 tokens at 32 streams is
+# about 600), so its full-batch decode step is read from all of them.
+WORKLOAD_STEP_HISTORY = 8192
 
 
 @dataclass
@@ -64,6 +69,11 @@ class WorkloadRun:
     ttft_p99_ms: float = 0.0
     tpot_p50_ms: float = 0.0  # each request's (last token - first token) / (tokens - 1), as vllm bench serve's TPOT
     itl_p50_ms: float = 0.0
+    # The engine's decode steps that carried every stream (benchmarks/step_figures.py): how many, their median
+    # duration, and the steps' share of the run's time.
+    full_batch_steps: int = 0
+    decode_step_ms: float | None = None
+    busy_share: float | None = None
 
 
 @dataclass
@@ -167,17 +177,20 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
     wall = time.perf_counter() - start
     steps = engine.stats().num_steps - first_step
     tpots = [(last[r] - first[r]) / (n - 1) for r, n in counts.items() if n > 1]
+    figures = step_figures([(s.time, s.duration_s, s.num_prefill_tokens, s.num_decode_requests)
+                            for s in engine.step_history if s.step > first_step], concurrency)
     return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall, percentile(ttfts, 0.5) * 1000,
                        percentile(gaps, 0.99) * 1000, steps, ttft_p99_ms=percentile(ttfts, 0.99) * 1000,
                        tpot_p50_ms=percentile(tpots, 0.5) * 1000 if tpots else 0.0,
-                       itl_p50_ms=percentile(gaps, 0.5) * 1000)
+                       itl_p50_ms=percentile(gaps, 0.5) * 1000, **asdict(figures))
 
 
 def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:
     """The engine of the first application in a Serve config file as `make serve` builds it, on `model`, with room
-    for `max_concurrency` requests at once."""
+    for `max_concurrency` requests at once and the steps of a whole workload level in its step history."""
     config = AppArgs(**serve_app_args(serve_config)).engine_config()
-    return dataclasses.replace(config, model=model, max_num_seqs=max(config.max_num_seqs, max_concurrency))
+    return dataclasses.replace(config, model=model, max_num_seqs=max(config.max_num_seqs, max_concurrency),
+                               step_history=max(config.step_history, WORKLOAD_STEP_HISTORY))
 
 
 def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, dtype: torch.dtype,
@@ -217,10 +230,13 @@ def print_workload(workload: list[WorkloadRun], args: argparse.Namespace, served
           f"runs it ({served_config.max_num_batched_tokens} tokens a step, beside decodes "
           f"{served_config.max_tokens_with_decodes or served_config.max_num_batched_tokens}, "
           f"{served_config.num_threads} threads)")
-    print(f"{'conc':>4} {'requests':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p99':>8} {'steps':>6}")
+    print(f"{'conc':>4} {'requests':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'ITL p99':>8} {'steps':>6} "
+          f"{'full-batch decode step':>22} {'busy':>5}")
     for w in workload:
+        step = f"{w.decode_step_ms:.2f}ms ({w.full_batch_steps})" if w.decode_step_ms is not None else "-"
+        busy = f"{w.busy_share:.0%}" if w.busy_share is not None else "-"
         print(f"{w.concurrency:4d} {w.requests:8d} {w.output_tok_s:10.1f} {w.ttft_p50_ms:7.1f}ms "
-              f"{w.tpot_p50_ms:7.1f}ms {w.itl_p99_ms:6.1f}ms {w.steps:6d}")
+              f"{w.tpot_p50_ms:7.1f}ms {w.itl_p99_ms:6.1f}ms {w.steps:6d} {step:>22} {busy:>5}")
 
 
 def main() -> None:

@@ -28,8 +28,10 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks.bench_serve import with_overrides
+from benchmarks.step_figures import step_figures, trace_steps
 from benchmarks.peers.export_hf import export
 
 log = logging.getLogger("bench_peers")
@@ -37,6 +39,7 @@ log = logging.getLogger("bench_peers")
 ROOT = Path(__file__).resolve().parents[1]
 SETUP_VLLM = ROOT / "benchmarks" / "peers" / "setup_vllm_cpu.sh"
 MIN_PROMPTS = 8  # requests a level at the least, whatever the concurrency
+MAX_TRACE_S = 600.0  # the longest window GET /debug/trace serves
 
 
 @dataclass
@@ -64,6 +67,11 @@ class Level:
     itl_p99_ms: float
     wall_s: float
     round: int = 0  # --rounds: which pass over the systems it came from
+    # tokenline and engine: the engine's decode steps that carried every stream (benchmarks/step_figures.py), their
+    # median duration, and the steps' share of the level's time; a server's from its step trace (GET /debug/trace)
+    full_batch_steps: int = 0
+    decode_step_ms: float | None = None
+    busy_share: float | None = None
 
 
 def parse_system(spec: str) -> System:
@@ -244,7 +252,24 @@ def run_engine_workload(system: System, model: str, concurrencies: list[int], ar
         raise RuntimeError(f"the in-process engine failed ({done.returncode}); see {log_path}")
     runs = json.loads(result.read_text())["served_workload"]["runs"]
     return [Level(system.name, r["concurrency"], r["requests"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"],
-                  r["ttft_p99_ms"], r["tpot_p50_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["wall_s"]) for r in runs]
+                  r["ttft_p99_ms"], r["tpot_p50_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["wall_s"],
+                  full_batch_steps=r["full_batch_steps"], decode_step_ms=r["decode_step_ms"],
+                  busy_share=r["busy_share"]) for r in runs]
+
+
+def read_engine_steps(base_url: str, level: Level) -> None:
+    """Sets a server's level's full-batch decode step and busy share from its engine replicas' step trace over the
+    level's run (`GET /debug/trace`, the last `wall_s` seconds); leaves them unset where the server keeps none."""
+    seconds = min(max(level.wall_s, 1.0), MAX_TRACE_S)
+    try:
+        with urllib.request.urlopen(f"{base_url}/debug/trace?seconds={seconds:.1f}", timeout=60) as reply:
+            trace = json.load(reply)
+    except (OSError, ValueError) as exc:  # the trace off (404), or no such route
+        log.info("no step trace from %s: %s", base_url, exc)
+        return
+    figures = step_figures(trace_steps(trace), level.concurrency)
+    level.full_batch_steps, level.decode_step_ms, level.busy_share = (figures.full_batch_steps,
+                                                                      figures.decode_step_ms, figures.busy_share)
 
 
 def engine_system(systems: list[System]) -> str | None:
@@ -261,6 +286,43 @@ def served_shares(levels: list[Level], systems: list[System]) -> dict[str, dict[
     servers = {s.name for s in systems if s.kind == "tokenline"}
     spread = ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
     return {system: {c: cell["output_tok_s"] for c, cell in by_c.items()} for system, by_c in spread.items()}
+
+
+def served_steps(levels: list[Level], systems: list[System]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Each tokenline server's engine step against its in-process engine's: the full-batch decode step's ratio
+    within each round (median, range, rounds), and each side's median step (ms) and busy share over the rounds."""
+    engine = engine_system(systems)
+    if engine is None:
+        return {}
+    servers = {s.name for s in systems if s.kind == "tokenline"}
+    spread = ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
+
+    def median_of(system: str, c: int, name: str) -> float | None:
+        values = [getattr(lv, name) for lv in levels if lv.system == system and lv.concurrency == c
+                  and getattr(lv, name) is not None]
+        return statistics.median(values) if values else None
+
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for system, by_c in spread.items():
+        for c, cell in by_c.items():
+            if "decode_step" in cell:
+                out.setdefault(system, {})[c] = {
+                    "decode_step": cell["decode_step"], "served_step_ms": median_of(system, c, "decode_step_ms"),
+                    "engine_step_ms": median_of(engine, c, "decode_step_ms"),
+                    "served_busy": median_of(system, c, "busy_share"),
+                    "engine_busy": median_of(engine, c, "busy_share")}
+    return out
+
+
+def print_steps(steps: dict[str, dict[int, dict[str, Any]]], engine: str) -> None:
+    print(f"\nthe engine's decode step with every stream in it, served and in process ({engine}): medians over the "
+          f"rounds, the ratio taken within each round (median, range); busy: the steps' share of the time")
+    for system, by_c in steps.items():
+        for c, cell in sorted(by_c.items()):
+            ratio = cell["decode_step"]
+            busy = "/".join(f"{v:.0%}" if v is not None else "-" for v in (cell["served_busy"], cell["engine_busy"]))
+            print(f"{system:18} {c:4d} {cell['served_step_ms']:7.2f} ms against {cell['engine_step_ms']:6.2f} ms: "
+                  f"{ratio['median']:4.2f}x ({ratio['min']:4.2f}-{ratio['max']:4.2f})   busy {busy}")
 
 
 def print_shares(shares: dict[str, dict[int, dict[str, float]]], engine: str) -> None:
@@ -291,6 +353,8 @@ def ratios(levels: list[Level], reference: str) -> dict[str, dict[int, dict[str,
         out.setdefault(lv.system, {})[lv.concurrency] = {
             "output_tok_s": _over(lv.output_tok_s, r.output_tok_s), "ttft_p50": _over(lv.ttft_p50_ms, r.ttft_p50_ms),
             "tpot_p50": _over(lv.tpot_p50_ms, r.tpot_p50_ms), "itl_p99": _over(lv.itl_p99_ms, r.itl_p99_ms)}
+        if lv.decode_step_ms is not None and r.decode_step_ms is not None:
+            out[lv.system][lv.concurrency]["decode_step"] = _over(lv.decode_step_ms, r.decode_step_ms)
     return out
 
 
@@ -453,8 +517,11 @@ def main() -> None:
             log.info("%s ready in %.0fs", system.name, time.monotonic() - started)
             name = served_name(base_url)
             for c in concurrencies:
-                record(run_client(vllm, system, base_url, name, hf_dir, c,
-                                  max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs), r)
+                level = run_client(vllm, system, base_url, name, hf_dir, c,
+                                   max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs)
+                if system.kind == "tokenline":
+                    read_engine_steps(base_url, level)
+                record(level, r)
         finally:
             stop(process)
             leaked = sweep_shm(shm_before)
@@ -473,12 +540,16 @@ def main() -> None:
     shares = served_shares(levels, systems)
     if shares:
         print_shares(shares, engine_system(systems))
+    steps = served_steps(levels, systems)
+    if steps:
+        print_steps(steps, engine_system(systems))
     medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
                for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
                                "rounds": len(by_round), "systems": [asdict(s) for s in systems],
                                "levels": [asdict(lv) for lv in levels], "ratios_vs_vllm": medians,
-                               "ratio_spread_vs_vllm": spread, "served_share_of_engine": shares}, indent=2))
+                               "ratio_spread_vs_vllm": spread, "served_share_of_engine": shares,
+                               "served_engine_steps": steps}, indent=2))
     plot(median_figures, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

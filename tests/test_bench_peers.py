@@ -6,7 +6,11 @@ import argparse
 import mmap
 
 from benchmarks.bench_peers import (Level, System, median_levels, parse_system, ratio_spread, round_order,
-                                    run_engine_workload, served_shares, shm_names, sweep_shm)
+                                    run_engine_workload, served_shares, served_steps, shm_names, sweep_shm)
+from benchmarks.step_figures import StepFigures, step_figures, trace_steps
+from deployments.chrome_trace import chrome_trace
+from deployments.records import ReplicaSteps
+from engine.outputs import SchedulerStats
 from tests.tiny_models import write_tiny_model
 
 
@@ -87,6 +91,47 @@ def test_the_engine_runs_the_servers_workload_in_a_process_of_its_own(tmp_path):
     for lv in levels:
         assert lv.output_tok_s > 0 and lv.ttft_p50_ms > 0 and lv.tpot_p50_ms > 0 and lv.itl_p99_ms >= lv.itl_p50_ms
         assert abs(lv.output_tok_s * lv.wall_s - lv.num_prompts * 6) < 1e-6 * lv.num_prompts * 6
+        # its steps, read from the engine's own history: decode steps with every stream in them, and how busy it was
+        assert lv.full_batch_steps > 0 and lv.decode_step_ms > 0 and 0 < lv.busy_share <= 1
+
+
+def test_a_full_batch_decode_step_is_a_decode_only_step_with_every_stream_and_busy_is_steps_over_their_span():
+    steps = [(10.0, 0.05, 256, 3), (10.05, 0.010, 0, 4), (10.07, 0.012, 0, 4), (10.09, 0.030, 0, 4),
+             (10.12, 0.008, 0, 3)]  # one prompt beside 3 decodes, three full decode steps, one with a stream gone
+    figures = step_figures(reversed(steps), 4)
+    assert figures.full_batch_steps == 3 and abs(figures.decode_step_ms - 12.0) < 1e-9
+    assert abs(figures.busy_share - 0.11 / 0.128) < 1e-9
+    assert step_figures([], 4) == StepFigures(0, None, None)
+
+
+def test_a_servers_step_figures_come_from_its_step_trace_as_the_engines_from_its_history():
+    def stats(step: int, start: float, duration: float, prefill: int, decoding: int) -> SchedulerStats:
+        return SchedulerStats(step, start, duration, decoding, 0, 0.1, prefill, decoding, 1 if prefill else 0,
+                              decoding, 0, 0, 0, 0)
+    history = [stats(1, 1000.0, 0.04, 200, 1), stats(2, 1000.05, 0.01, 0, 2), stats(3, 1000.06, 0.014, 0, 2)]
+    trace = chrome_trace([ReplicaSteps("r1", 1, "node", 1001.0, history)], [], since=999.5, until=1001.0)
+    from_trace = step_figures(trace_steps(trace), 2)
+    from_history = step_figures([(s.time, s.duration_s, s.num_prefill_tokens, s.num_decode_requests)
+                                 for s in history], 2)
+    assert from_trace.full_batch_steps == from_history.full_batch_steps == 2
+    assert abs(from_trace.decode_step_ms - from_history.decode_step_ms) < 1e-6
+    assert abs(from_trace.busy_share - from_history.busy_share) < 1e-6
+
+
+def test_the_served_engine_step_is_set_against_the_in_process_engine_of_its_own_round():
+    def lv(system: str, r: int, step_ms: float | None, busy: float | None) -> Level:
+        return Level(system, 32, 128, 128, 500.0, 100.0, 200.0, 30.0, 25.0, 90.0, 10.0, round=r,
+                     decode_step_ms=step_ms, busy_share=busy)
+    levels = [lv("vllm", 0, None, None), lv("tokenline", 0, 24.0, 0.97), lv("engine", 0, 20.0, 0.99),
+              lv("engine", 1, 16.0, 0.98), lv("tokenline", 1, 20.0, 0.95), lv("vllm", 1, None, None)]
+    systems = [parse_system(s) for s in ("vllm", "tokenline=serve_config.yaml", "engine")]
+    steps = served_steps(levels, systems)
+    assert list(steps) == ["tokenline"]  # vLLM keeps no step trace
+    cell = steps["tokenline"][32]
+    assert cell["decode_step"]["rounds"] == [1.2, 1.25]
+    assert (cell["served_step_ms"], cell["engine_step_ms"]) == (22.0, 18.0)
+    assert (cell["served_busy"], cell["engine_busy"]) == (0.96, 0.985)
+    assert served_steps(levels, systems[:2]) == {}
 
 
 def test_each_round_turns_the_order_so_every_system_runs_in_every_place():
