@@ -277,25 +277,28 @@ def engine_system(systems: list[System]) -> str | None:
     return next((s.name for s in systems if s.kind == "engine"), None)
 
 
+def spread_over_engine(levels: list[Level], systems: list[System]
+                       ) -> tuple[str | None, dict[str, dict[int, dict[str, dict[str, float]]]]]:
+    """The first `engine` system, and each tokenline server's ratios to it taken within each round (ratio_spread);
+    no engine: None and no ratios."""
+    engine = engine_system(systems)
+    if engine is None:
+        return None, {}
+    servers = {s.name for s in systems if s.kind == "tokenline"}
+    return engine, ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
+
+
 def served_shares(levels: list[Level], systems: list[System]) -> dict[str, dict[int, dict[str, float]]]:
     """Each tokenline server's output tok/s over its in-process engine's (the first `engine` system), within each
     round, then the median and range over the rounds."""
-    engine = engine_system(systems)
-    if engine is None:
-        return {}
-    servers = {s.name for s in systems if s.kind == "tokenline"}
-    spread = ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
+    _, spread = spread_over_engine(levels, systems)
     return {system: {c: cell["output_tok_s"] for c, cell in by_c.items()} for system, by_c in spread.items()}
 
 
 def served_steps(levels: list[Level], systems: list[System]) -> dict[str, dict[int, dict[str, Any]]]:
     """Each tokenline server's engine step against its in-process engine's: the full-batch decode step's ratio
     within each round (median, range, rounds), and each side's median step (ms) and busy share over the rounds."""
-    engine = engine_system(systems)
-    if engine is None:
-        return {}
-    servers = {s.name for s in systems if s.kind == "tokenline"}
-    spread = ratio_spread([lv for lv in levels if lv.system in servers | {engine}], engine)
+    engine, spread = spread_over_engine(levels, systems)
 
     def median_of(system: str, c: int, name: str) -> float | None:
         values = [getattr(lv, name) for lv in levels if lv.system == system and lv.concurrency == c
