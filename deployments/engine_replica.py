@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import psutil
@@ -122,7 +122,7 @@ class EngineReplica:
             lost = functools.partial(RequestRejected, "the engine replica lost its connection to the ingress",
                                      code="token_channel_lost", status=500)
             interval = self._stream_interval if self.stream_interval_s else 0.0
-            async for item in relay(batches, link, request.channel_key, lost, interval):
+            async for item in relay(batches, link, request.channel_key, lost, interval, _ends_after(num_choices)):
                 yield item
         except ChoiceFailed as exc:
             failure = exc.failure
@@ -306,6 +306,18 @@ class EngineReplica:
     def __del__(self) -> None:
         self._links.close()
         self.engine.shutdown(timeout=5.0)
+
+
+def _ends_after(num_choices: int) -> Callable[[list[GenerationChunk]], bool]:
+    """Whether a batch is a request's last: the one in which the last of its choices finished."""
+    finished = 0
+
+    def is_last(batch: list[GenerationChunk]) -> bool:
+        nonlocal finished
+        finished += sum(1 for chunk in batch if chunk.output.finished)
+        return finished >= num_choices
+
+    return is_last
 
 
 async def _one_by_one(stream: AsyncIterator[GenerationChunk]) -> AsyncIterator[list[GenerationChunk]]:

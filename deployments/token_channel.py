@@ -266,12 +266,14 @@ def coalescing_interval(interval_s: float, min_streams: int, active_streams: int
 
 
 async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost: Callable[[], Any],
-                interval_s: float | Callable[[], float] = 0.0) -> AsyncIterator[Any]:
+                interval_s: float | Callable[[], float] = 0.0,
+                is_last: Callable[[Any], bool] = lambda batch: False) -> AsyncIterator[Any]:
     """An engine replica's side of one request: each batch goes over `link` under `key`, and what must go through
     the request's Serve stream comes out: every batch where there is no link or it broke before the first was sent
     (nothing is lost then), `lost()` and the end where it broke later (what it carried may be lost), and a
     `ChannelEnd` with the number of messages it carried. At most one batch every `interval_s` (a callable: read
-    after each batch, so the wait can follow the replica's load), on ticks every stream shares."""
+    after each batch, so the wait can follow the replica's load), on ticks every stream shares; no wait after the
+    batch `is_last` says ends the request (nothing follows it but the end)."""
     sent = 0
     async for batch in batches:
         if link is not None:
@@ -286,8 +288,9 @@ async def relay(batches: AsyncIterator[Any], link: _Link | None, key: int, lost:
                 link = None
         if link is None:
             yield batch
+        last = is_last(batch)  # read every batch: it may count what each one carries
         wait = interval_s() if callable(interval_s) else interval_s
-        if wait:
+        if wait and not last:
             # To the interval's next tick on the loop's clock, which every stream of the replica shares: their
             # chunks leave in one turn of the loop, one message per ingress, rather than one each at its own time.
             await asyncio.sleep(wait - asyncio.get_running_loop().time() % wait)

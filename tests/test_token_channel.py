@@ -240,3 +240,36 @@ def test_the_wait_between_chunks_follows_the_replicas_load(monkeypatch):
         assert 0 < slept[0] <= 0.02
 
     asyncio.run(body())
+
+
+def test_no_wait_after_the_batch_that_ends_the_request(monkeypatch):
+    async def body():
+        slept = []
+        real_sleep = asyncio.sleep
+
+        async def recorded_sleep(seconds):
+            slept.append(seconds)
+            await real_sleep(0)
+
+        monkeypatch.setattr(asyncio, "sleep", recorded_sleep)
+        out = [item async for item in relay(batches_of(["a", "b", "end"]), None, 0, lambda: "lost", 0.02,
+                                            lambda batch: batch == "end")]
+        monkeypatch.undo()
+        assert out == ["a", "b", "end"] and len(slept) == 2  # after "a" and "b"; the end leaves at once
+
+    asyncio.run(body())
+
+
+def test_a_requests_last_batch_is_the_one_in_which_its_last_choice_finished():
+    from types import SimpleNamespace
+
+    from deployments.engine_replica import _ends_after
+
+    def chunk(finished: bool):
+        return SimpleNamespace(output=SimpleNamespace(finished=finished))
+
+    one = _ends_after(1)
+    assert [one([chunk(False)]), one([chunk(True)])] == [False, True]
+    two = _ends_after(2)  # n=2: one choice ends first, the request only when both have
+    assert [two([chunk(False), chunk(False)]), two([chunk(True)]), two([chunk(False)]), two([chunk(True)])] == [
+        False, False, False, True]
