@@ -74,6 +74,7 @@ class WorkloadRun:
     full_batch_steps: int = 0
     decode_step_ms: float | None = None
     busy_share: float | None = None
+    cpu_s: float = 0.0  # this process's CPU time over the run, every thread's
 
 
 @dataclass
@@ -150,7 +151,7 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
         added[rid] = time.perf_counter()
         engine.add_request(rid, prompts[i], params)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     nxt = min(concurrency, len(prompts))
     for i in range(nxt):
         add(i)
@@ -174,7 +175,7 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
                     add(nxt)
                     nxt += 1
                     in_flight += 1
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     steps = engine.stats().num_steps - first_step
     tpots = [(last[r] - first[r]) / (n - 1) for r, n in counts.items() if n > 1]
     figures = step_figures([(s.time, s.duration_s, s.num_prefill_tokens, s.num_decode_requests)
@@ -182,7 +183,7 @@ def run_served_workload(engine: LLMEngine, prompts: list[list[int]], concurrency
     return WorkloadRun(concurrency, len(prompts), produced, wall, produced / wall, percentile(ttfts, 0.5) * 1000,
                        percentile(gaps, 0.99) * 1000, steps, ttft_p99_ms=percentile(ttfts, 0.99) * 1000,
                        tpot_p50_ms=percentile(tpots, 0.5) * 1000 if tpots else 0.0,
-                       itl_p50_ms=percentile(gaps, 0.5) * 1000, **asdict(figures))
+                       itl_p50_ms=percentile(gaps, 0.5) * 1000, **asdict(figures), cpu_s=cpu_s)
 
 
 def served_engine_config(serve_config: Path, model: str, max_concurrency: int) -> EngineConfig:

@@ -12,6 +12,10 @@ in-process engine as that Serve config builds it (`python -m benchmarks.bench_en
 process, no HTTP, no ingress, no Ray), in its turn with the servers. Each tokenline server's output tok/s over the
 engine's in the same round is the served path's share of its engine, measured side by side.
 
+Every level also reports where the machine's CPU went while its client ran: each process's CPU time by role (the
+engine replica, the ingress, Serve's controller and proxy, Ray's own processes, vLLM's engine core and API server,
+the client), per output token (benchmarks/process_cpu.py); for the in-process engine, its process's.
+
     python -m benchmarks.bench_peers --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_serve import with_overrides
+from benchmarks.process_cpu import LevelCPU, per_token_ms
 from benchmarks.step_figures import step_figures, trace_steps
 from benchmarks.peers.export_hf import export
 
@@ -72,6 +77,16 @@ class Level:
     full_batch_steps: int = 0
     decode_step_ms: float | None = None
     busy_share: float | None = None
+    # CPU seconds by role over the level (benchmarks/process_cpu.py): a server's every process and the client's, the
+    # in-process engine's own process
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return round(self.output_tok_s * self.wall_s)
+
+
+IN_PROCESS = "engine (in process)"
 
 
 def parse_system(spec: str) -> System:
@@ -254,7 +269,7 @@ def run_engine_workload(system: System, model: str, concurrencies: list[int], ar
     return [Level(system.name, r["concurrency"], r["requests"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"],
                   r["ttft_p99_ms"], r["tpot_p50_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["wall_s"],
                   full_batch_steps=r["full_batch_steps"], decode_step_ms=r["decode_step_ms"],
-                  busy_share=r["busy_share"]) for r in runs]
+                  busy_share=r["busy_share"], cpu_s={IN_PROCESS: r["cpu_s"]}) for r in runs]
 
 
 def read_engine_steps(base_url: str, level: Level) -> None:
@@ -326,6 +341,33 @@ def print_steps(steps: dict[str, dict[int, dict[str, Any]]], engine: str) -> Non
             busy = "/".join(f"{v:.0%}" if v is not None else "-" for v in (cell["served_busy"], cell["engine_busy"]))
             print(f"{system:18} {c:4d} {cell['served_step_ms']:7.2f} ms against {cell['engine_step_ms']:6.2f} ms: "
                   f"{ratio['median']:4.2f}x ({ratio['min']:4.2f}-{ratio['max']:4.2f})   busy {busy}")
+
+
+def cpu_per_token(levels: list[Level]) -> dict[str, dict[int, dict[str, float]]]:
+    """Each system's CPU milliseconds per output token at each concurrency, by role and in all (`total`): the median
+    over the rounds."""
+    cells: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for lv in levels:
+        if lv.cpu_s:
+            per = per_token_ms(lv.cpu_s, lv.output_tokens)
+            per["total"] = sum(per.values())
+            cells.setdefault(lv.system, {}).setdefault(lv.concurrency, []).append(per)
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for system, by_c in cells.items():
+        for c, rows in by_c.items():
+            roles = sorted({k for row in rows for k in row},
+                           key=lambda k: -statistics.median(r.get(k, 0.0) for r in rows))
+            out.setdefault(system, {})[c] = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in roles}
+    return out
+
+
+def print_cpu(cpu: dict[str, dict[int, dict[str, float]]]) -> None:
+    print("\nCPU per output token while each level's client ran, by process (medians over the rounds; the client's "
+          "includes its start-up), ms")
+    for system, by_c in cpu.items():
+        for c, cell in sorted(by_c.items()):
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in cell.items() if k != "total" and v >= 0.0005)
+            print(f"{system:18} {c:4d} {cell['total']:6.3f}: {parts}")
 
 
 def print_shares(shares: dict[str, dict[int, dict[str, float]]], engine: str) -> None:
@@ -520,8 +562,11 @@ def main() -> None:
             log.info("%s ready in %.0fs", system.name, time.monotonic() - started)
             name = served_name(base_url)
             for c in concurrencies:
+                cpu = LevelCPU()
+                cpu.start()
                 level = run_client(vllm, system, base_url, name, hf_dir, c,
                                    max(MIN_PROMPTS, args.prompts_per_concurrency * c), args, logs)
+                level.cpu_s = cpu.stop()
                 if system.kind == "tokenline":
                     read_engine_steps(base_url, level)
                 record(level, r)
@@ -546,13 +591,16 @@ def main() -> None:
     steps = served_steps(levels, systems)
     if steps:
         print_steps(steps, engine_system(systems))
+    cpu = cpu_per_token(levels)
+    if cpu:
+        print_cpu(cpu)
     medians = {system: {c: {k: v["median"] for k, v in cell.items()} for c, cell in by_c.items()}
                for system, by_c in spread.items()}
     out.write_text(json.dumps({"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
                                "rounds": len(by_round), "systems": [asdict(s) for s in systems],
                                "levels": [asdict(lv) for lv in levels], "ratios_vs_vllm": medians,
                                "ratio_spread_vs_vllm": spread, "served_share_of_engine": shares,
-                               "served_engine_steps": steps}, indent=2))
+                               "served_engine_steps": steps, "cpu_per_token_ms": cpu}, indent=2))
     plot(median_figures, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

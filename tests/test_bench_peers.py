@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import mmap
 
-from benchmarks.bench_peers import (Level, System, median_levels, parse_system, ratio_spread, round_order,
-                                    run_engine_workload, served_shares, served_steps, shm_names, sweep_shm)
+from benchmarks.bench_peers import (IN_PROCESS, Level, System, median_levels, parse_system, ratio_spread,
+                                    round_order, run_engine_workload, served_shares, served_steps, shm_names,
+                                    sweep_shm)
 from benchmarks.step_figures import StepFigures, step_figures, trace_steps
 from deployments.chrome_trace import chrome_trace
 from deployments.records import ReplicaSteps
@@ -93,6 +94,8 @@ def test_the_engine_runs_the_servers_workload_in_a_process_of_its_own(tmp_path):
         assert abs(lv.output_tok_s * lv.wall_s - lv.num_prompts * 6) < 1e-6 * lv.num_prompts * 6
         # its steps, read from the engine's own history: decode steps with every stream in them, and how busy it was
         assert lv.full_batch_steps > 0 and lv.decode_step_ms > 0 and 0 < lv.busy_share <= 1
+        # its process's CPU over the level: at most its one thread's, and some of it
+        assert 0 < lv.cpu_s[IN_PROCESS] <= lv.wall_s * 1.05 + 0.05
 
 
 def test_a_full_batch_decode_step_is_a_decode_only_step_with_every_stream_and_busy_is_steps_over_their_span():
