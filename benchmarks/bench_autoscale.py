@@ -51,7 +51,8 @@ from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulate import parse_policy
 from autoscaling.simulator import ClusterConfig, SimResult, simulate
 from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
-from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload, scaled_to
+from autoscaling.step_model import StepTimeModel
+from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload, saturation_rate, scaled_to
 from benchmarks.fit_forecast import TRAINING_SEEDS
 from deployments.autoscaling_config import AutoscalingArgs
 from loadtests.datasets import MOONCAKE_TRACE
@@ -70,6 +71,7 @@ LEVERS = {"slo:headroom=0": "nothing held beyond the forecast (no observed surpr
 # Perfect foresight of the load at a few headrooms (--foresight; autoscaling/foresight.py): a bound, not a policy.
 FORESIGHT = tuple(f"foresight:{h:g}" for h in (0.0, 0.1, 0.2, 0.3))
 SHORT_DOWNSCALE_S = 30.0
+LOAD_BIN_S = 30.0  # the offered load is shown in windows of this many seconds
 TARGET_SAVING = 0.25
 TARGET_ATTAINMENT = 0.95
 
@@ -104,6 +106,20 @@ def cases(trace: Path, block_size: int, profile: ReplicaProfile) -> list[Case]:
     out = [Case("mooncake first half", [r for r in rows if r.arrival_s < middle], WARMUP_S, middle),
            Case("mooncake second half", second, WARMUP_S, rows[-1].arrival_s - shift)]
     return out + [synthetic_case(f"synthetic {shape}", shape, 0, profile) for shape in SHAPES]
+
+
+def offered_load(case: Case, model: StepTimeModel, bin_s: float = LOAD_BIN_S) -> dict[str, float]:
+    """The work a case's judged window offers, in replicas' worth (the seconds one replica of `model` is busy with
+    each request: autoscaling.workload.saturation_rate), over the whole window and in each `bin_s` of it (its lowest
+    and highest). A load whose windows stay within one replica leaves a policy nothing to scale."""
+    edges = np.arange(case.start_s, case.end_s + bin_s, bin_s)
+    work = np.zeros(max(len(edges) - 1, 1))
+    for r in case.requests:
+        if case.start_s <= r.arrival_s < case.end_s:
+            work[min(int((r.arrival_s - case.start_s) // bin_s), len(work) - 1)] += 1.0 / saturation_rate(model, [r])
+    whole = work[: max(1, int((case.end_s - case.start_s) // bin_s))]  # full windows only for the range
+    return {"mean": float(work.sum() / max(case.end_s - case.start_s, 1e-9)), "min": float(whole.min() / bin_s),
+            "max": float(whole.max() / bin_s)}
 
 
 @dataclass(frozen=True)
@@ -245,11 +261,12 @@ def main() -> None:
             curve = [means[p] for p in curve_names]
             ours = [p for p in list(OURS) + args.variants + list(LEVERS) + list(FORESIGHT) if p in means]
             comparisons = {p: compare(means[p], curve) for p in ours}
+            load = offered_load(case, profile.step_model)
             report.append({"workload": case.name, "downscale_delay_s": delay, "requests": len(case.requests),
-                           "window_s": [case.start_s, case.end_s],
+                           "window_s": [case.start_s, case.end_s], "offered_replicas": load,
                            "results": [means[p].as_dict() for p in ours + curve_names],
                            "comparisons": comparisons})
-            _print_case(case, delay, [means[p] for p in ours + curve_names], comparisons)
+            _print_case(case, delay, [means[p] for p in ours + curve_names], comparisons, load)
     _print_totals([r for r in report if r["downscale_delay_s"] == delays[0]])
     met = all(r["comparisons"]["slo"]["target_met"] for r in report if r["downscale_delay_s"] == delays[0])
     print(f"\ntarget (each workload: >= {TARGET_SAVING:.0%} fewer replica-seconds than Serve's default at equal "
@@ -269,9 +286,11 @@ def main() -> None:
     print(f"wrote {out}, {out.with_suffix('.png')} and {timelines}")
 
 
-def _print_case(case: Case, delay: float, summaries: list[Summary], comparisons: dict) -> None:
+def _print_case(case: Case, delay: float, summaries: list[Summary], comparisons: dict,
+                load: dict[str, float]) -> None:
     print(f"\n{case.name}: {len(case.requests)} requests, judged over [{case.start_s:.0f}, {case.end_s:.0f}] s, "
-          f"downscale delay {delay:g} s")
+          f"downscale delay {delay:g} s; offered load {load['mean']:.2f} replicas' worth of work "
+          f"({load['min']:.2f}-{load['max']:.2f} over {LOAD_BIN_S:g} s windows)")
     print(table(summaries))
     for name, c in comparisons.items():
         saving = "n/a (Serve's curve never reaches it)" if c["replica_seconds_saving"] is None else \
