@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +51,7 @@ from autoscaling.report import Summary, summarize, table
 from autoscaling.serve_rules import ServeAutoscalingConfig
 from autoscaling.simulate import parse_policy
 from autoscaling.simulator import ClusterConfig, SimResult, simulate
-from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile
-from autoscaling.step_model import StepTimeModel
+from autoscaling.step_model import DEFAULT_PROFILE, ReplicaProfile, StepTimeModel
 from autoscaling.workload import RequestSpec, ShapedWorkload, TraceWorkload, saturation_rate, scaled_to
 from benchmarks.fit_forecast import TRAINING_SEEDS
 from deployments.autoscaling_config import AutoscalingArgs
@@ -112,8 +112,7 @@ def offered_load(case: Case, model: StepTimeModel, bin_s: float = LOAD_BIN_S) ->
     """The work a case's judged window offers, in replicas' worth (the seconds one replica of `model` is busy with
     each request: autoscaling.workload.saturation_rate), over the whole window and in each `bin_s` of it (its lowest
     and highest). A load whose windows stay within one replica leaves a policy nothing to scale."""
-    edges = np.arange(case.start_s, case.end_s + bin_s, bin_s)
-    work = np.zeros(max(len(edges) - 1, 1))
+    work = np.zeros(max(1, math.ceil((case.end_s - case.start_s) / bin_s)))
     for r in case.requests:
         if case.start_s <= r.arrival_s < case.end_s:
             work[min(int((r.arrival_s - case.start_s) // bin_s), len(work) - 1)] += 1.0 / saturation_rate(model, [r])

@@ -13,8 +13,8 @@ process, no HTTP, no ingress, no Ray), in its turn with the servers. Each tokenl
 engine's in the same round is the served path's share of its engine, measured side by side.
 
 Every level also reports where the machine's CPU went while its client ran: each process's CPU time by role (the
-engine replica, the ingress, Serve's controller and proxy, Ray's own processes, vLLM's engine core and API server,
-the client), per output token (benchmarks/process_cpu.py); for the in-process engine, its process's.
+engine replica, the ingress, Serve's controller and proxy, Ray's own processes, vLLM's worker, engine core and API
+server, the client), per output token (benchmarks/process_cpu.py); for the in-process engine, its process's.
 
     python -m benchmarks.bench_peers --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """

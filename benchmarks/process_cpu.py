@@ -3,8 +3,8 @@
 On a machine where the engine shares its cores with everything else a server runs (the ingress, Serve's controller
 and proxy, Ray's GCS, raylet and dashboard agent) and with the load client, the served engine gets what the rest
 leaves it. bench-peers reads every process's CPU time (`/proc/PID/stat`, user + system) when a level's client starts
-and when it ends, sorts the processes by role (`role`), and reports each role's CPU per output token and its
-average cores over the client's run. The client itself (`vllm bench serve`, a child of the benchmark that has
+and when it ends, sorts the processes by role (`role`), and reports each role's CPU per output token over the
+client's run. The client itself (`vllm bench serve`, a child of the benchmark that has
 exited by then) comes from the benchmark's children's resource usage; its figure includes its own start-up.
 """
 from __future__ import annotations
@@ -93,8 +93,8 @@ def cpu_by_role(before: dict[int, ProcessTime], after: dict[int, ProcessTime]) -
 
 
 class LevelCPU:
-    """Brackets one level's client run: `start()` before it, `stop()` after; `per_token_ms(tokens)` and
-    `cores(seconds)` then give each role's CPU over it."""
+    """Brackets one level's client run: `start()` before it, `stop()` after it returns each role's CPU seconds
+    over the run, the client's (this process's children that exited meanwhile) under CLIENT."""
 
     def __init__(self, proc: Path = PROC) -> None:
         self.proc = proc
