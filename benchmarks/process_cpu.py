@@ -59,8 +59,11 @@ def read_stat(stat: str) -> tuple[str, float]:
 
 
 def snapshot(proc: Path = PROC, exclude: frozenset[int] = frozenset()) -> dict[int, ProcessTime]:
-    """Every process's CPU time now (those that vanish while read are left out), but `exclude`'s."""
-    out = {}
+    """Every process's CPU time now (those that vanish while read are left out), but `exclude`'s; none where there
+    is no /proc to read (not Linux)."""
+    out: dict[int, ProcessTime] = {}
+    if not proc.is_dir():
+        return out
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) in exclude:
             continue

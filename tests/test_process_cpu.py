@@ -79,6 +79,14 @@ def test_a_level_counts_a_running_process_and_the_client_that_exited():
     assert snapshot()  # a real /proc reads
 
 
+def test_without_a_proc_to_read_a_level_reports_only_the_client(tmp_path):
+    cpu = LevelCPU(tmp_path / "no-proc")
+    cpu.start()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    spent = cpu.stop()
+    assert set(spent) == {CLIENT} and spent[CLIENT] > 0
+
+
 def test_cpu_per_token_is_the_median_over_rounds_of_each_roles_ms_per_output_token():
     def lv(r: int, engine_s: float, ingress_s: float) -> Level:
         return Level("tokenline", 32, 128, 128, 1000.0, 100.0, 200.0, 30.0, 25.0, 90.0, 10.0, round=r,
