@@ -355,9 +355,8 @@ def cpu_per_token(levels: list[Level]) -> dict[str, dict[int, dict[str, float]]]
     out: dict[str, dict[int, dict[str, float]]] = {}
     for system, by_c in cells.items():
         for c, rows in by_c.items():
-            roles = sorted({k for row in rows for k in row},
-                           key=lambda k: -statistics.median(r.get(k, 0.0) for r in rows))
-            out.setdefault(system, {})[c] = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in roles}
+            medians = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in {k for row in rows for k in row}}
+            out.setdefault(system, {})[c] = dict(sorted(medians.items(), key=lambda kv: -kv[1]))  # largest first
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")  # the unit of /proc/PID/stat's times
 CLIENT = "client"
 # (role, any of these in the process's command line or name), first match wins
 ROLES = (
@@ -54,8 +55,7 @@ def read_stat(stat: str) -> tuple[str, float]:
     """(name, user + system CPU seconds) from the text of /proc/PID/stat."""
     comm = stat[stat.index("(") + 1:stat.rindex(")")]
     fields = stat[stat.rindex(")") + 2:].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return comm, (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14 and 15 of stat
+    return comm, (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime: fields 14 and 15 of stat
 
 
 def snapshot(proc: Path = PROC, exclude: frozenset[int] = frozenset()) -> dict[int, ProcessTime]:
@@ -101,22 +101,21 @@ class LevelCPU:
 
     def __init__(self, proc: Path = PROC) -> None:
         self.proc = proc
-        self.spent: dict[str, float] = {}
 
     def start(self) -> None:
         self._children = children_cpu_s()
         self._before = snapshot(self.proc, frozenset({os.getpid()}))
 
     def stop(self) -> dict[str, float]:
-        self.spent = cpu_by_role(self._before, snapshot(self.proc, frozenset({os.getpid()})))
+        spent = cpu_by_role(self._before, snapshot(self.proc, frozenset({os.getpid()})))
         client = children_cpu_s() - self._children
         if client > 0:
-            self.spent[CLIENT] = self.spent.get(CLIENT, 0.0) + client
-        return self.spent
+            spent[CLIENT] = spent.get(CLIENT, 0.0) + client
+        return spent
 
 
 def per_token_ms(spent: dict[str, float], tokens: int) -> dict[str, float]:
-    """Each role's CPU milliseconds per output token, largest first."""
+    """Each role's CPU milliseconds per output token."""
     if tokens <= 0:
         return {}
-    return {k: v * 1e3 / tokens for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    return {k: v * 1e3 / tokens for k, v in spent.items()}
