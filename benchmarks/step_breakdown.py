@@ -205,6 +205,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=256, help="also a lone prefill of this many tokens (0: no)")
     parser.add_argument("--prefill-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: this process's CPUs)")
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype (EngineConfig.dtype)")
     parser.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only linears")
     parser.add_argument("--native-linear-max-rows", type=int, default=None,
                         help="steps of more rows run oneDNN's linears (default: where the CPU has AMX 80, or 6 "
@@ -217,7 +218,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.linear_amx_tiles == "off" and native_linear_available():
         torch.ops.tokenline.linear_amx_min_rows(0)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=128, num_threads=args.threads,
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=128, num_threads=args.threads,
                                     quantization=args.quantization,
                                     native_linear_max_rows=args.native_linear_max_rows),
                        source=load_model_source(args.model))
@@ -225,7 +226,7 @@ def main() -> None:
     results = [breakdown(engine, int(b), args.steps, seed=int(b)) for b in args.batches.split(",")]
     prefill = prefill_breakdown(engine, args.prefill_len, args.prefill_steps, seed=7) if args.prefill_len else None
     linears = linears_described(engine.runner.linear_packing, engine.runner.native_max_rows)
-    print(f"\nattention backend {engine.runner.attention_backend}, linears {linears}, "
+    print(f"\n{args.dtype}, attention backend {engine.runner.attention_backend}, linears {linears}, "
           f"{torch.get_num_threads()} threads; milliseconds per decode step (median of {args.steps})")
     for r in results:
         phases = r["phases_ms"]

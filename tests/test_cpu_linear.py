@@ -6,15 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_has_amx, native_linear_amx, native_linear_available
+from engine.kernels import cpu_has_amx, native_int8_available, native_linear_amx, native_linear_available
 from engine.config import EngineConfig
 from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, INT8_MAX_ROWS, Linear,
                                   default_native_max_rows, onednn_prepack_available, quantize_int8,
                                   select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
-                                  reason="this CPU has no AVX512-BF16 (or no C++ toolchain): the native linear "
-                                         "is not built, and oneDNN or F.linear serve instead")
+                                  reason="this CPU has neither AVX512-BF16 nor AVX2 with FMA (or no C++ "
+                                         "toolchain): the native linear is not built, and oneDNN or F.linear serve "
+                                         "instead")
 
 
 def linear(in_features: int, out_features: int, bias: bool, packing: str | None) -> Linear:
@@ -125,7 +126,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(linear_kernel):
 @needs_native
 def test_an_odd_input_width_falls_back_to_onednn():
     layer = linear(63, 40, False, "native")
-    assert layer.packing == "onednn"
+    # oneDNN's prepacked bf16 where this CPU has it (AVX512 or AVX-NE-CONVERT), else F.linear
+    assert layer.packing == ("onednn" if onednn_prepack_available() else None)
     x = torch.randn(3, 63).to(torch.bfloat16)
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=1e-2)
 
@@ -155,6 +157,8 @@ def test_every_packing_gives_the_same_layer_output():
         torch.testing.assert_close(out, reference, atol=3e-2, rtol=2e-2)
 
 
+needs_int8 = pytest.mark.skipif(not native_int8_available(),
+                                reason="int8 weights run on AVX512-VNNI, which this CPU lacks (or no C++ toolchain)")
 needs_both = pytest.mark.skipif(not (native_linear_available() and onednn_prepack_available()),
                                 reason="needs the native linear and oneDNN's prepacked one")
 
@@ -203,7 +207,7 @@ def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
     assert int(packed.abs().max()) == 127  # each row's largest weight uses the whole range
 
 
-@needs_native
+@needs_int8
 @pytest.mark.parametrize("rows", [1, 2, 6, 8, 9, 13])  # whole and partial tiles of 6 rows
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (577, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -221,7 +225,7 @@ def test_int8_kernel_matches_its_dequantized_weights(rows, out_features, in_feat
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=1e-3 if dtype == torch.float32 else 1e-2)
 
 
-@needs_native
+@needs_int8
 def test_int8_layer_uses_int8_weights_for_decode_sized_steps_and_bf16_beyond():
     layer = linear(576, 96, True, "native-int8")
     bf16 = linear(576, 96, True, "native")
@@ -235,7 +239,7 @@ def test_int8_layer_uses_int8_weights_for_decode_sized_steps_and_bf16_beyond():
     assert torch.equal(layer(x, out_dtype=torch.float32), bf16(x, out_dtype=torch.float32))  # 9 rows: bf16
 
 
-@needs_native
+@needs_int8
 def test_int8_rows_do_not_depend_on_their_neighbours():
     layer = linear(576, 96, True, "native-int8")
     x = torch.randn(8, 576).to(torch.bfloat16)
@@ -258,11 +262,14 @@ def test_int8_needs_the_native_kernel_on_bf16_cpu():
     assert AppArgs(engine={"quantization": "int8"}).engine_config().quantization == "int8"
     with pytest.raises(ValidationError, match="int8"):
         AppArgs(engine={"quantization": "int4"})
-    if native_linear_available():
+    if native_int8_available():
         assert select_linear_packing(cpu, torch.bfloat16, quantization="int8") == "native-int8"
+    elif native_linear_available():  # bf16 linears native (AVX2), int8 not: an error, not a silent bf16 engine
+        with pytest.raises(ValueError, match="AVX512-VNNI"):
+            select_linear_packing(cpu, torch.bfloat16, quantization="int8")
 
 
-@needs_native
+@needs_int8
 def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path):
     from benchmarks.quant_accuracy import PROMPTS, chat_prompts, compare
     prompts = chat_prompts(str(smollm2_path), PROMPTS[:4])

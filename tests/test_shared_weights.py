@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.kernels import native_linear_available
+from engine.kernels import native_int8_available, native_linear_available
 from engine.shared_weights import PREFIX, SUFFIX, _index, _key, packed_tensors, sweep
 from tests.test_huge_pages import answers
 from tests.tiny_models import write_tiny_model
@@ -156,6 +156,7 @@ def test_weights_stay_private_where_the_directory_cannot_hold_them(model, tmp_pa
         assert bad.exists()
 
 
+@pytest.mark.skipif(not native_int8_available(), reason="int8 weights need AVX512-VNNI")
 def test_int8_weights_are_shared_too(model, tmp_path):
     own = LLMEngine(config(model, None, quantization="int8"))
     first, second = (LLMEngine(config(model, tmp_path, quantization="int8")) for _ in range(2))

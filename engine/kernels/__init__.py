@@ -127,9 +127,14 @@ def cpu_has_amx() -> bool:
 
 
 def native_linear_available() -> bool:
-    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16
-    and AVX512-VNNI (int8 weights)."""
+    """The bf16 packed linear (engine/kernels/linear_cpu.cpp) needs the kernels and a CPU with AVX512-BF16 and
+    AVX512-VNNI (bf16 dot products), or AVX2 and FMA (the weights widened to fp32 as they stream in)."""
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_supported())
+
+
+def native_int8_available() -> bool:
+    """int8 weights (`quantization: int8`) run on AVX512-VNNI's int16 dot products."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_int8_supported())
 
 
 def native_linear_amx() -> bool:
@@ -140,8 +145,10 @@ def native_linear_amx() -> bool:
 
 
 def native_layers_available() -> bool:
-    """The decoder layers in one native call (engine/kernels/llama_cpu.cpp)."""
-    return native_linear_available() and hasattr(torch.ops.tokenline, "llama_layers")
+    """The decoder layers in one native call (engine/kernels/llama_cpu.cpp), whose attention reads the packed key
+    layout (AVX512-BF16)."""
+    return (native_linear_available() and hasattr(torch.ops.tokenline, "llama_layers")
+            and bool(torch.ops.tokenline.packed_keys_supported(16, 64, 1)))
 
 
 def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:

@@ -34,6 +34,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENLINE_HAS_AMX 1  // amx_permitted and TileConfig: vec_math.h
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENLINE_HAS_AVX2_LINEAR 1  // the same packed weights widened to fp32 as they stream (below)
 #endif
 
 namespace {
@@ -661,7 +664,240 @@ void packed_linear_int8_impl(const at::Tensor& x, const at::Tensor& packed, cons
 
 #endif  // TOKENLINE_HAS_BF16_DOT
 
+
+#ifdef TOKENLINE_HAS_AVX2_LINEAR
+// CPUs with AVX2 and FMA but no bf16 arithmetic (AMD Zen 2/3, Intel before Cooper Lake): the same packed weights,
+// each k pair's 16 outputs (64 bytes) widened to fp32 in registers as they stream in, x widened to fp32 once a call,
+// fp32 FMAs. torch's bf16 matmul runs at ~16 GFLOP/s on such CPUs, and its fp32 one (MKL) streams weights at a
+// fraction of the memory's rate on AMD's; decode here reads half fp32's bytes at the memory's rate.
+//
+// A 32-bit word of the packed weight holds (k even, k odd) of one output: the even one is the word shifted left
+// 16 bits, the odd one the word with its low half cleared. Every output sums its k pairs in the same order,
+// even then odd, whatever the tile, so a row's result does not depend on how many rows share the call.
+
+inline void avx2_store(float* dst, __m256 v, int64_t n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, v);
+    std::memcpy(dst, t, n * sizeof(float));
+  }
+}
+inline void avx2_store(c10::BFloat16* dst, __m256 v, int64_t n) {  // rounded to nearest even, as store() is
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m128i half = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), half);
+  } else {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), half);
+    std::memcpy(dst, t, n * sizeof(uint16_t));
+  }
+}
+
+// Row i's 8 outputs at `at` of a tile's sums (+ bias): the first `valid` of them, none where valid <= 0.
+template <typename out_t>
+__attribute__((noinline)) void avx2_store_sums(__m256 sums, const float* bias, out_t* out, int64_t valid) {
+  if (valid <= 0) return;
+  if (bias) {
+    alignas(32) float t[8] = {};
+    std::memcpy(t, bias, std::min<int64_t>(8, valid) * sizeof(float));
+    sums = _mm256_add_ps(sums, _mm256_load_ps(t));
+  }
+  avx2_store(out, sums, std::min<int64_t>(8, valid));
+}
+
+// MR rows of x (fp32, `x_stride` floats apart) times NB blocks of 16 outputs over the whole K: MR * NB * 2
+// accumulators of 8 outputs. out_i = sums + bias, the first n_valid outputs of the tile.
+template <int MR, int NB, typename out_t>
+inline void avx2_tile(const float* x, int64_t x_stride, const uint32_t* w, int64_t block_words, int64_t pairs,
+                      const float* bias, out_t* out, int64_t o_stride, int64_t n_valid) {
+  __m256 acc[MR][NB][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int j = 0; j < NB; ++j) {
+      const uint32_t* wj = w + j * block_words + p * kBlock;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 8 * h));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(words, odd_mask));
+        for (int i = 0; i < MR; ++i) {
+          const float* xi = x + i * x_stride + 2 * p;
+          acc[i][j][h] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xi + 1),
+                                         _mm256_fmadd_ps(even, _mm256_broadcast_ss(xi), acc[i][j][h]));
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8  // as in avx2_panel_tile
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = j * kBlock + 8 * h;
+        avx2_store_sums(acc[i][j][h], bias ? bias + at : nullptr, out + i * o_stride + at, n_valid - at);
+      }
+}
+
+// Up to 3 rows against up to 4 blocks: 3 x 2 blocks (12 of the 16 ymm registers hold sums, enough in flight
+// for FMA's latency with each sum's two FMAs a k pair chained), 2 x 2, or 1 x up to 4 for a decode row.
+template <typename out_t>
+void avx2_rows_times_blocks(int64_t mr, int64_t nb, const float* x, int64_t x_stride, const uint32_t* w,
+                            int64_t block_words, int64_t pairs, const float* bias, out_t* out, int64_t o_stride,
+                            int64_t n_valid) {
+  if (mr >= 2) {
+    if (nb >= 2) {
+      if (mr >= 3) return avx2_tile<3, 2>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+      return avx2_tile<2, 2>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+    }
+    if (mr >= 3) return avx2_tile<3, 1>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+    return avx2_tile<2, 1>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+  }
+  switch (nb) {
+    case 1: return avx2_tile<1, 1>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+    case 2: return avx2_tile<1, 2>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+    case 3: return avx2_tile<1, 3>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+    default: return avx2_tile<1, 4>(x, x_stride, w, block_words, pairs, bias, out, o_stride, n_valid);
+  }
+}
+
+constexpr int64_t kAvx2Group = 4;  // blocks a thread keeps hot in L1/L2 across every row of x
+
+// Steps of this many rows or more widen each group's weights to fp32 once ([block][K][16], in L2) and run a 6 x 16
+// fp32 tile on them (12 sums, one FMA each a k): the weights' shift and mask, paid once a group instead of once a
+// row tile, and the sums no longer chained two FMAs a k pair. Every output still adds its k in order into one sum,
+// so a row's result is the same bits on either path. On a 2-core Zen 3 (2 threads): 73-82 against 50-60 GFLOP/s
+// at 8 rows, 137-174 against 62-108 at 32-256 (MKL's fp32 matmul: 98-161); at 2-6 rows the pair kernel is ahead.
+constexpr int64_t kAvx2PanelRows = 8;
+
+template <int MR, typename out_t>
+inline void avx2_panel_tile(const float* x, int64_t x_stride, const float* w, int64_t k, const float* bias,
+                            out_t* out, int64_t o_stride, int64_t n_valid) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256 w0 = _mm256_loadu_ps(w + kk * kBlock), w1 = _mm256_loadu_ps(w + kk * kBlock + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + kk);
+      acc[i][0] = _mm256_fmadd_ps(w0, xv, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(w1, xv, acc[i][1]);
+    }
+  }
+  // Each sum stored by value, at indices fixed at compile time: stored through a pointer to acc, or with a run-time
+  // exit from these loops, GCC kept the sums in memory and stored every one of them each k (half the FMA rate).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+      avx2_store_sums(acc[i][h], bias ? bias + 8 * h : nullptr, out + i * o_stride + 8 * h, n_valid - 8 * h);
+}
+
+template <typename out_t>
+void avx2_panel_rows(int64_t mr, const float* x, int64_t x_stride, const float* w, int64_t k, const float* bias,
+                     out_t* out, int64_t o_stride, int64_t n_valid) {
+  switch (mr) {
+    case 1: return avx2_panel_tile<1>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+    case 2: return avx2_panel_tile<2>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+    case 3: return avx2_panel_tile<3>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+    case 4: return avx2_panel_tile<4>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+    case 5: return avx2_panel_tile<5>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+    default: return avx2_panel_tile<6>(x, x_stride, w, k, bias, out, o_stride, n_valid);
+  }
+}
+
+// One block's packed weights [K/2][16][2] as fp32 [K][16].
+inline void widen_block(const uint32_t* w, int64_t pairs, float* dst) {
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * kBlock + 8 * h));
+      _mm256_storeu_ps(dst + 2 * p * kBlock + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)));
+      _mm256_storeu_ps(dst + (2 * p + 1) * kBlock + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(words, odd_mask)));
+    }
+}
+
+template <typename out_t>
+void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out,
+                        int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0);
+  const int64_t block_words = pairs * kBlock;
+  thread_local std::vector<float> xbuf;  // x in fp32, reused across calls
+  float* const xf = scratch(xbuf, m * k);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const int64_t xs = x.stride(0);
+  tokenline::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(xp + r * xs);
+      float* dst = xf + r * k;
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
+      for (; i < k; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(dst + i, &bits, sizeof(float));
+      }
+    }
+  });
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+  out_t* op = out.data_ptr<out_t>();
+  const int64_t o_stride = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
+  if (m >= kAvx2PanelRows) {
+    tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> wbuf;  // a group's weights in fp32: 147 KB at K = 576
+      float* const wf = scratch(wbuf, kAvx2Group * k * kBlock);
+      for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
+        const int64_t nb = std::min<int64_t>(kAvx2Group, end - b0);
+        for (int64_t j = 0; j < nb; ++j) widen_block(wp + (b0 + j) * block_words, pairs, wf + j * k * kBlock);
+        for (int64_t r0 = 0; r0 < m; r0 += 6) {
+          const int64_t mr = std::min<int64_t>(6, m - r0);
+          for (int64_t j = 0; j < nb; ++j) {
+            const int64_t b = b0 + j;
+            avx2_panel_rows(mr, xf + r0 * k, k, wf + j * k * kBlock, k, bias ? bias + b * kBlock : nullptr,
+                            op + r0 * o_stride + b * kBlock, o_stride, n - b * kBlock);
+          }
+        }
+      }
+    });
+    return;
+  }
+  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
+      const int64_t nb = std::min<int64_t>(kAvx2Group, end - b0);
+      for (int64_t r0 = 0; r0 < m;) {
+        const int64_t rows = std::min<int64_t>(3, m - r0);
+        const int64_t step = rows == 1 ? 4 : 2;  // blocks a tile of these rows takes
+        for (int64_t j = 0; j < nb; j += step) {
+          const int64_t b = b0 + j;
+          avx2_rows_times_blocks(rows, std::min<int64_t>(step, nb - j), xf + r0 * k, k, wp + b * block_words,
+                                 block_words, pairs, bias ? bias + b * kBlock : nullptr, op + r0 * o_stride + b * kBlock,
+                                 o_stride, std::min<int64_t>(n - b * kBlock, std::min<int64_t>(step, nb - j) * kBlock));
+        }
+        r0 += rows;
+      }
+    }
+  });
+}
+#endif  // TOKENLINE_HAS_AVX2_LINEAR
+
 bool packed_linear_supported() {
+#if defined(TOKENLINE_HAS_BF16_DOT) || defined(TOKENLINE_HAS_AVX2_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// int8 weights need AVX512-VNNI's int16 dot products.
+bool packed_linear_int8_supported() {
 #ifdef TOKENLINE_HAS_BF16_DOT
   return true;
 #else
@@ -670,7 +906,8 @@ bool packed_linear_supported() {
 }
 
 void check_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AVX512-BF16 and AVX512-VNNI (built with -march=native)");
+  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AVX512-BF16 and AVX512-VNNI, or AVX2 and FMA (built "
+              "with -march=native)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && x.stride(0) % 2 == 0,
               "packed_linear takes a bf16 [M, K] x with contiguous, even-aligned rows");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 && packed.is_contiguous(),
@@ -706,6 +943,9 @@ void packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packe
 #ifdef TOKENLINE_HAS_BF16_DOT
   if (out.scalar_type() == at::kFloat) packed_linear_impl<float>(x, packed, bp, out, n);
   else packed_linear_impl<c10::BFloat16>(x, packed, bp, out, n);
+#elif defined(TOKENLINE_HAS_AVX2_LINEAR)
+  if (out.scalar_type() == at::kFloat) packed_linear_avx2<float>(x, packed, bp, out, n);
+  else packed_linear_avx2<c10::BFloat16>(x, packed, bp, out, n);
 #endif
 }
 
@@ -757,6 +997,7 @@ int64_t linear_amx_min_rows(int64_t rows) {
 void packed_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& bias, int64_t n) {
   check_linear_args(out, x, packed, n);
+  TORCH_CHECK(packed_linear_int8_supported(), "packed_linear_int8 needs AVX512-BF16 and AVX512-VNNI");
   TORCH_CHECK(packed.scalar_type() == at::kChar, "packed_linear_int8 takes int8 weights");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) >= n, "scales must hold one value per output");
   at::Tensor bias_f, scales_f;
@@ -780,5 +1021,6 @@ TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.def("packed_linear_silu_mul(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()");
   m.impl("packed_linear_silu_mul", c10::DispatchKey::CPU, &packed_linear_silu_mul);
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
+  m.def("packed_linear_int8_supported() -> bool", &packed_linear_int8_supported);
   m.def("linear_amx_min_rows(int rows=-1) -> int", &linear_amx_min_rows);
 }

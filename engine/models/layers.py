@@ -27,13 +27,14 @@ def onednn_prepack_available() -> bool:
 
 def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                           quantization: str | None = None) -> str | None:
-    """How bf16 CPU linears are prepacked: `native` (engine.kernels, AVX512-BF16 dot products: ~25% less time than
-    oneDNN at batch 1 and 32 here), `native-int8` (`quantization: int8`: also int8 weights for decode-sized
+    """How bf16 CPU linears are prepacked: `native` (engine.kernels: AVX512-BF16 dot products, ~25% less time than
+    oneDNN at batch 1 and 32 on a Xeon; or AVX2 FMAs on the weights widened to fp32, 4-5x torch's bf16 matmul
+    where the CPU has no bf16 arithmetic), `native-int8` (`quantization: int8`: also int8 weights for decode-sized
     steps), `onednn`, or None (F.linear)."""
-    from engine.kernels import native_linear_available
+    from engine.kernels import native_int8_available, native_linear_available
     bf16_cpu = enabled and device.type == "cpu" and dtype == torch.bfloat16
     if quantization is not None:
-        if not (bf16_cpu and native_linear_available()):
+        if not (bf16_cpu and native_int8_available()):
             raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
                              "bfloat16, prepack_weights and a CPU with AVX512-BF16 and AVX512-VNNI")
         return "native-int8"
@@ -117,6 +118,10 @@ class Linear(nn.Module):
 
     def prepack(self, packing: str = "onednn") -> None:
         if packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
+            if not onednn_prepack_available():  # a CPU without oneDNN's bf16 kernels: F.linear
+                self.packed = self.packed_int8 = self.scales = self.packed_onednn = None
+                self.packing = self.native_max_rows = None
+                return
             packing = "onednn"
         self.packed_int8 = self.scales = None
         if packing == "native-int8":
