@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention
-from engine.kernels import cpu_kernels_available, packed_keys_supported
+from engine.kernels import cpu_kernels_available, packed_keys_supported, plain_token_rows_supported
 
 H, KVH = 6, 2  # a GQA group of 3
 
@@ -68,6 +68,51 @@ def run_mixed_step(backend, dtype, scale=1, token_rows=False):
 def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dtype, tol, head_dim):
     out, expected = run_mixed_step(backend_cls(H, KVH, head_dim, 4), dtype)
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 3), (6, 2), (8, 2), (7, 1)])  # groups of 1, 2, 3, 4 and 7
+def test_bf16_decode_rows_in_the_plain_layout_match_dense_attention(head_dim, heads):
+    """The decode kernel on bf16 K/V in the plain layout (the vectorised one where the CPU has AVX-512 or AVX2):
+    query heads of a GQA group taken three at a time with the rest after, contexts of 1 to 37 tokens (whole and
+    partial runs of 4 tokens, several blocks), and a row with nothing to attend to, which gives zeros."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads = heads
+    block_size, lengths = 16, [1, 3, 4, 5, 17, 37, 0]
+    tables = torch.randperm(24)[:len(lengths) * 3].view(len(lengths), 3)
+    k_cache = torch.randn(24, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn(24, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
+    q = torch.randn(len(lengths), num_heads, head_dim).to(torch.bfloat16)
+    out = torch.empty(len(lengths), num_heads * head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    torch.ops.tokenline.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lengths), scale)
+    for row, n in enumerate(lengths):
+        if n == 0:
+            assert not out[row].float().any()
+            continue
+        slots = [(int(tables[row, t // block_size]), t % block_size) for t in range(n)]
+        k = torch.stack([k_cache[b, :, o] for b, o in slots]).float()  # [n, KVH, D]
+        v = torch.stack([v_cache[b, :, o] for b, o in slots]).float()
+        keys, values = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[row].float() * scale, keys), dim=-1)
+        expected = torch.einsum("ht,thd->hd", weights, values).reshape(-1)
+        torch.testing.assert_close(out[row].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not plain_token_rows_supported(64), reason="no AVX2 attention kernel here: keys are packed "
+                                                              "(AVX512-BF16), or rows wait for SDPA")
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 32)])
+@pytest.mark.parametrize("scale", [1, 5])
+def test_bf16_token_rows_in_the_plain_layout_match_dense_attention(head_dim, block_size, scale):
+    """Where the CPU has AVX2 but not AVX-512, bf16 keys stay in the plain layout and every new token of a step,
+    prompt rows too, is a row of the native kernel."""
+    plain = CpuAttention(9, 3, head_dim, block_size, torch.bfloat16)
+    assert not plain.packed_keys and plain.uses_token_rows
+    out, expected = run_mixed_step(plain, torch.bfloat16, scale, token_rows=True)
+    by_sdpa, _ = run_mixed_step(plain, torch.bfloat16, scale, token_rows=False)  # prompt rows by SDPA
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, by_sdpa, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not packed_keys_supported(16, 64, 3), reason="this CPU has no AVX512-BF16 (or no C++ toolchain): "

@@ -145,15 +145,21 @@ def native_linear_amx() -> bool:
 
 
 def native_layers_available() -> bool:
-    """The decoder layers in one native call (engine/kernels/llama_cpu.cpp), whose attention reads the packed key
-    layout (AVX512-BF16)."""
+    """The decoder layers in one native call (engine/kernels/llama_cpu.cpp), whose attention takes every new token
+    as a row: keys packed (AVX512-BF16) or bf16 rows in the plain layout (AVX2)."""
     return (native_linear_available() and hasattr(torch.ops.tokenline, "llama_layers")
-            and bool(torch.ops.tokenline.packed_keys_supported(16, 64, 1)))
+            and (packed_keys_supported(16, 64, 1) or plain_token_rows_supported(64)))
 
 
 def packed_keys_supported(block_size: int, head_dim: int, group: int) -> bool:
     """Whether the bf16 decode kernel can read keys in the packed layout (CpuAttention) on this CPU."""
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_keys_supported(block_size, head_dim, group))
+
+
+def plain_token_rows_supported(head_dim: int) -> bool:
+    """Whether bf16 attention rows in the plain key layout, prompt rows as well as decodes, run on the AVX2 kernel on
+    this CPU (one without AVX-512)."""
+    return cpu_kernels_available() and bool(torch.ops.tokenline.plain_token_rows_supported(head_dim))
 
 
 def native_attention_amx() -> bool:

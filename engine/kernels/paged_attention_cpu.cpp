@@ -13,7 +13,7 @@
 
 #include "thread_pool.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -148,6 +148,138 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
     }
   });
 }
+
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define TOKENLINE_ATTENTION_AVX2 1
+// CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2/3, older Intel): bf16 K/V in the plain layout, widened to fp32
+// 8 values at a time. Scores: 4 tokens x up to 3 query heads of the GQA group at once (12 sums of 8 lanes), each K
+// chunk loaded and widened once for the heads, then the 12 sums reduced to 12 scores by horizontal adds. Values: a
+// run of 4 chunks (32 dims) of each head's output in registers while every V row of the sequence streams by. The
+// generic kernel above took each token's dot product alone, with a horizontal sum per token and head: 2.4x slower at
+// batch 32 on a Zen 3.
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Scores of G query heads (fp32, scaled; qf + g * head_dim) against the keys of tokens [0, len) of one
+// (sequence, KV head), into scores[g * len + t]. C: head_dim / 8.
+template <int C, int G>
+void avx2_scores(const float* qf, const c10::BFloat16* k_cache, const int64_t* table, int64_t block_stride,
+                 int64_t head_offset, int64_t block_size, int64_t len, float* scores, int64_t score_stride) {
+  constexpr int64_t head_dim = 8 * C;
+  for (int64_t t0 = 0; t0 < len; t0 += 4) {
+    const c10::BFloat16* rows[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t t = std::min<int64_t>(t0 + i, len - 1);  // past the end: the last token again, not stored
+      rows[i] = k_cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
+    }
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const __m256 k = widen8(rows[i] + 8 * c);
+#pragma GCC unroll 3
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + 8 * c), k, acc[g][i]);
+      }
+    }
+    alignas(16) float four[4];
+    const int64_t valid = std::min<int64_t>(4, len - t0);
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g) {
+      _mm_store_ps(four, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+      std::memcpy(scores + g * score_stride + t0, four, valid * sizeof(float));
+    }
+  }
+}
+
+// out_g[d] = sum_t p[g * len + t] * v[t][d] for G heads, 32 dims (4 chunks) at a time.
+template <int C, int G>
+void avx2_values(const float* p, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_stride,
+                 int64_t head_offset, int64_t block_size, int64_t len, int64_t p_stride, float* acc_out) {
+  constexpr int64_t head_dim = 8 * C;
+  for (int c0 = 0; c0 < C; c0 += 4) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const c10::BFloat16* row = v_cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
+      __m256 w[G];
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * p_stride + t);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = widen8(row + 8 * (c0 + j));
+#pragma GCC unroll 3
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], v, acc[g][j]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc_out + g * head_dim + 8 * (c0 + j), acc[g][j]);
+  }
+}
+
+template <int C>
+void decode_kernel_avx2(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                        const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
+                        c10::BFloat16* out, int64_t out_stride, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t block_size, int64_t max_blocks, double scale) {
+  constexpr int64_t head_dim = 8 * C;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_stride = num_kv_heads * block_size * head_dim;
+  parallel_over_sequences(batch, num_kv_heads, seq_lens, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      const int64_t head_offset = h * block_size * head_dim;
+      if (len <= 0) {  // nothing to attend to: zeros, as the generic kernel gives
+        std::fill(acc.begin(), acc.end(), 0.f);
+      } else {
+        scores.resize(group * len);
+        for (int64_t g = 0; g < group; ++g) {
+          load_row(q + b * q_stride + (h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
+          for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] *= static_cast<float>(scale);
+        }
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+          const float* qg = qf.data() + g0 * head_dim;
+          float* sg = scores.data() + g0 * len;
+          switch (std::min<int64_t>(3, group - g0)) {
+            case 1: avx2_scores<C, 1>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
+            case 2: avx2_scores<C, 2>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
+            default: avx2_scores<C, 3>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
+          }
+        }
+        softmax_rows(scores.data(), group, len);
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+          const float* pg = scores.data() + g0 * len;
+          float* ag = acc.data() + g0 * head_dim;
+          switch (std::min<int64_t>(3, group - g0)) {
+            case 1: avx2_values<C, 1>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
+            case 2: avx2_values<C, 2>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
+            default: avx2_values<C, 3>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        store_row(acc.data() + g * head_dim, out + b * out_stride + (h * group + g) * head_dim, head_dim);
+      }
+    }
+  });
+}
+#endif  // AVX2 without AVX-512
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -854,6 +986,17 @@ bool packed_keys_supported(c10::ScalarType dtype, int64_t block_size, int64_t he
 #endif
 }
 
+// Whether bf16 rows in the plain layout, a prompt's rows as well as decodes, run on the AVX2 kernel here (CPUs
+// without AVX-512, where keys are not packed): CpuAttention then gives it every new token of a step as a row.
+bool plain_token_rows_supported(int64_t head_dim) {
+#ifdef TOKENLINE_ATTENTION_AVX2
+  return head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 bool packed_keys_supported_op(int64_t block_size, int64_t head_dim, int64_t group) {
   return packed_keys_supported(at::kBFloat16, block_size, head_dim, group);
 }
@@ -909,6 +1052,17 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
       }
     }
 #endif
+#ifdef TOKENLINE_ATTENTION_AVX2
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (!packed_keys && (head_dim == 64 || head_dim == 128)) {
+        auto kernel = head_dim == 64 ? decode_kernel_avx2<8> : decode_kernel_avx2<16>;
+        kernel(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+               bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), out.stride(0), batch,
+               num_heads, num_kv_heads, block_size, bt.size(1), scale);
+        return;
+      }
+    }
+#endif
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
                             v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                             out.data_ptr<scalar_t>(), out.stride(0), batch, num_heads, num_kv_heads, head_dim,
@@ -941,5 +1095,6 @@ TORCH_LIBRARY(tokenline, m) {
         "Tensor seq_lens, float scale, bool query_tiles=True) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("packed_keys_supported(int block_size, int head_dim, int group) -> bool", &packed_keys_supported_op);
+  m.def("plain_token_rows_supported(int head_dim) -> bool", &plain_token_rows_supported);
   m.def("attention_amx(int on=-1) -> bool", &attention_amx);
 }
