@@ -52,6 +52,9 @@ async def wait_for(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+MAX_REQUESTS_PER_WORKER = 1000  # a bound on each closed-loop worker, far past what a scenario sends
+
+
 class Streams:
     """Closed-loop streaming completions: each of `concurrency` workers sends one after another until stopped.
     Records every request's outcome; none is cancelled, so stopping lets the ones in flight finish."""
@@ -67,7 +70,9 @@ class Streams:
         self.tasks = [asyncio.create_task(self._worker()) for _ in range(concurrency)]
 
     async def _worker(self) -> None:
-        while not self.stopped.is_set():
+        for _ in range(MAX_REQUESTS_PER_WORKER):
+            if self.stopped.is_set():
+                return
             prompt = " ".join(self.rng.choice(["red", "green", "blue", "sea", "sky", "tree", "stone", "river"])
                               for _ in range(self.prompt_words))
             try:
@@ -80,6 +85,9 @@ class Streams:
                 self.completed.append(usage.completion_tokens if usage else -1)
             except Exception as exc:  # recorded, and the test fails on it
                 self.errors.append(repr(exc))
+                # This worker stops: a request that fails at once (a closed client, after the scenario failed)
+                # returns without yielding to the event loop, so sending on would spin and never see a cancel.
+                return
 
     async def stop(self) -> None:
         self.stopped.set()

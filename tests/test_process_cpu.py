@@ -75,8 +75,9 @@ def test_a_level_counts_a_running_process_and_the_client_that_exited():
         server.wait()
     assert spent["engine replica"] == pytest.approx(0.4, abs=0.15)
     assert spent[CLIENT] >= 0.3 and spent[CLIENT] < 1.5  # its burn and its interpreter's start
-    assert sum(v for k, v in spent.items() if k not in ("engine replica", CLIENT)) < 0.3
-    assert snapshot()  # a real /proc reads
+    # Not the whole machine's other processes against a bound: a run's Ray processes (and anything else on the
+    # machine) spend what they spend. This process is left out of both reads by its pid.
+    assert os.getpid() in snapshot() and os.getpid() not in snapshot(exclude=frozenset({os.getpid()}))
 
 
 def test_without_a_proc_to_read_a_level_reports_only_the_client(tmp_path):
