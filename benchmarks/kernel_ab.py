@@ -12,7 +12,8 @@ turn on the same tensors, best of a few rounds, shows the change itself.
 gate/up 576 -> 3072, down 1536 -> 576), then its LM head (576 -> 49,152, fp32 out), at each row count; then the 30
 gate/ups again as the MLP calls them, with SiLU-and-mul (`packed_linear_silu_mul`: fused on AMX tiles from 17 rows,
 below that the linear and then the main build's `silu_and_mul`, which this comparison does not vary).
-`attention`: 30 layers of decode attention (9 query heads, 3 KV heads, head_dim 64, packed keys, blocks of 16 tokens)
+`attention`: 30 layers of decode attention (9 query heads, 3 KV heads, head_dim 64, blocks of 16 tokens; keys packed
+where the CPU has AVX512-BF16, else in the plain layout)
 over BATCHxCONTEXT rows whose blocks lie scattered through a pool of 1,024 blocks per layer; with `--prompts`,
 30 layers of a prompt chunk's attention (ROWS, or ROWS+CACHED after that many cached tokens: each row causal up to
 its own position), the same pool.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import CFLAGS, HEADERS, cpu_kernels_available
+from engine.kernels import CFLAGS, HEADERS, cpu_kernels_available, packed_keys_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"linear": "engine/kernels/linear_cpu.cpp", "attention": "engine/kernels/paged_attention_cpu.cpp"}
@@ -103,7 +104,10 @@ def time_attention(ops, batch: int, context: int, rounds: int, prompt: bool = Fa
     blocks = -(-(context + batch) // block) if prompt else -(-context // block)
     if (1 if prompt else batch) * blocks > pool:
         raise SystemExit(f"{batch}x{context} needs more blocks a layer than the pool's {pool}")
-    caches = [(torch.randn(pool, kv_heads, dim // 2, block, 2).to(torch.bfloat16),
+    # Keys packed in pairs where this CPU's kernel reads them so (AVX512-BF16), else in the plain layout, like V.
+    key_shape = (pool, kv_heads, dim // 2, block, 2) if packed_keys_supported(block, dim, heads // kv_heads) \
+        else (pool, kv_heads, block, dim)
+    caches = [(torch.randn(key_shape).to(torch.bfloat16),
                torch.randn(pool, kv_heads, block, dim).to(torch.bfloat16)) for _ in range(LAYERS)]
     if prompt:  # every row reads the sequence's blocks, causal up to its own position
         tables = [torch.randperm(pool)[:blocks].expand(batch, blocks).contiguous() for _ in range(LAYERS)]

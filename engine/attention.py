@@ -148,6 +148,7 @@ class CpuAttention(TorchAttention):
 
     In bf16, with blocks of a multiple of 16 tokens, keys are packed as [blocks, kv_heads, head_dim / 2,
     block_size, 2] so the kernel scores 16 tokens per AVX512-BF16 instruction (engine/kernels/paged_attention_cpu.cpp).
+    Without AVX-512 but with AVX2, bf16 keys stay in the plain layout for the kernel's AVX2 path.
     """
 
     name = "cpu"

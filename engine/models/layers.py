@@ -1,5 +1,5 @@
-"""Building blocks: a linear layer that can use prepacked weights on CPU (our AVX512-BF16 kernel, or oneDNN's),
-RMSNorm, RoPE."""
+"""Building blocks: a linear layer that can use prepacked weights on CPU (our kernel on AVX512-BF16 or AVX2, or
+oneDNN's), RMSNorm, RoPE."""
 from __future__ import annotations
 
 import logging
