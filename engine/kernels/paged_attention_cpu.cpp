@@ -230,6 +230,19 @@ void avx2_values(const float* p, const c10::BFloat16* v_cache, const int64_t* ta
   }
 }
 
+// f(std::integral_constant<int, G>, g0) for the query heads of a GQA group in runs of G = 3 from g0, the last run
+// of what is left (1 or 2).
+template <typename F>
+inline void for_head_runs(int64_t group, const F& f) {
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    switch (std::min<int64_t>(3, group - g0)) {
+      case 1: f(std::integral_constant<int, 1>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      default: f(std::integral_constant<int, 3>{}, g0); break;
+    }
+  }
+}
+
 template <int C>
 void decode_kernel_avx2(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
                         const c10::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
@@ -253,25 +266,15 @@ void decode_kernel_avx2(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
           load_row(q + b * q_stride + (h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
           for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] *= static_cast<float>(scale);
         }
-        for (int64_t g0 = 0; g0 < group; g0 += 3) {
-          const float* qg = qf.data() + g0 * head_dim;
-          float* sg = scores.data() + g0 * len;
-          switch (std::min<int64_t>(3, group - g0)) {
-            case 1: avx2_scores<C, 1>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
-            case 2: avx2_scores<C, 2>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
-            default: avx2_scores<C, 3>(qg, k_cache, table, block_stride, head_offset, block_size, len, sg, len); break;
-          }
-        }
+        for_head_runs(group, [&](auto heads, int64_t g0) {
+          avx2_scores<C, decltype(heads)::value>(qf.data() + g0 * head_dim, k_cache, table, block_stride, head_offset,
+                                                 block_size, len, scores.data() + g0 * len, len);
+        });
         softmax_rows(scores.data(), group, len);
-        for (int64_t g0 = 0; g0 < group; g0 += 3) {
-          const float* pg = scores.data() + g0 * len;
-          float* ag = acc.data() + g0 * head_dim;
-          switch (std::min<int64_t>(3, group - g0)) {
-            case 1: avx2_values<C, 1>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
-            case 2: avx2_values<C, 2>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
-            default: avx2_values<C, 3>(pg, v_cache, table, block_stride, head_offset, block_size, len, len, ag); break;
-          }
-        }
+        for_head_runs(group, [&](auto heads, int64_t g0) {
+          avx2_values<C, decltype(heads)::value>(scores.data() + g0 * len, v_cache, table, block_stride, head_offset,
+                                                 block_size, len, len, acc.data() + g0 * head_dim);
+        });
       }
       for (int64_t g = 0; g < group; ++g) {
         store_row(acc.data() + g * head_dim, out + b * out_stride + (h * group + g) * head_dim, head_dim);
