@@ -685,10 +685,7 @@ inline void avx2_store(float* dst, __m256 v, int64_t n) {
   }
 }
 inline void avx2_store(c10::BFloat16* dst, __m256 v, int64_t n) {  // rounded to nearest even, as store() is
-  __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  const __m128i half = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+  const __m128i half = bf16_bits8(v);
   if (n >= 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), half);
   } else {
@@ -837,8 +834,7 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
       float* dst = xf + r * k;
       int64_t i = 0;
       for (; i + 8 <= k; i += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        _mm256_storeu_ps(dst + i, widen8_bf16(src + i));
       }
       for (; i < k; ++i) {
         const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;

@@ -158,11 +158,6 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
 // run of 4 chunks (32 dims) of each head's output in registers while every V row of the sequence streams by. The
 // generic kernel above took each token's dot product alone, with a horizontal sum per token and head: 2.4x slower at
 // batch 32 on a Zen 3.
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
 // [sum(a0), sum(a1), sum(a2), sum(a3)]
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -187,7 +182,7 @@ void avx2_scores(const float* qf, const c10::BFloat16* k_cache, const int64_t* t
     for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        const __m256 k = widen8(rows[i] + 8 * c);
+        const __m256 k = widen8_bf16(rows[i] + 8 * c);
 #pragma GCC unroll 3
         for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + 8 * c), k, acc[g][i]);
       }
@@ -218,7 +213,7 @@ void avx2_values(const float* p, const c10::BFloat16* v_cache, const int64_t* ta
       for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * p_stride + t);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const __m256 v = widen8(row + 8 * (c0 + j));
+        const __m256 v = widen8_bf16(row + 8 * (c0 + j));
 #pragma GCC unroll 3
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], v, acc[g][j]);
       }

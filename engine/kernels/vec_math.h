@@ -90,6 +90,26 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+// 8 bf16 values (16 bytes at p, any alignment) widened to fp32: a bf16 is the high half of its fp32.
+inline __m256 widen8_bf16(const void* p) {
+  const __m128i raw = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The bf16 bits of 8 fp32 values, rounded to nearest even as bf16_bits is (AVX2 has no conversion instruction).
+inline __m128i bf16_bits8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>

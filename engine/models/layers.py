@@ -2,6 +2,7 @@
 oneDNN's), RMSNorm, RoPE."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -13,15 +14,17 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def onednn_prepack_available() -> bool:
-    """Private oneDNN ops that inductor's freezing uses; absent or changed in some torch builds."""
+    """Private oneDNN ops that inductor's freezing uses; absent or changed in some torch builds, and without bf16
+    kernels on CPUs with no AVX-512. Probed once a process."""
     try:
         w = torch.randn(8, 8, dtype=torch.bfloat16)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
         return bool(torch.allclose(out.float(), F.linear(torch.ones(2, 8, dtype=torch.bfloat16), w).float(), atol=1e-2))
     except (AttributeError, RuntimeError) as exc:
-        log.info("oneDNN prepacked linear unavailable (%s); using F.linear", exc)
+        log.info("oneDNN's prepacked bf16 linear unavailable here (%s)", exc)
         return False
 
 
@@ -116,20 +119,20 @@ class Linear(nn.Module):
         self.native_max_rows: int | None = None
         self.packed_onednn: torch.Tensor | None = None
 
-    def prepack(self, packing: str = "onednn") -> None:
-        if packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in bf16 pairs
-            if not onednn_prepack_available():  # a CPU without oneDNN's bf16 kernels: F.linear
-                self.packed = self.packed_int8 = self.scales = self.packed_onednn = None
-                self.packing = self.native_max_rows = None
-                return
-            packing = "onednn"
+    def prepack(self, packing: str | None = "onednn") -> None:
+        """`native`, `native-int8` or `onednn`; None: unpacked (F.linear)."""
+        if packing and packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in pairs
+            # oneDNN's prepack, or F.linear on a CPU without oneDNN's bf16 kernels
+            packing = "onednn" if onednn_prepack_available() else None
         self.packed_int8 = self.scales = None
         if packing == "native-int8":
             self.packed_int8, self.scales = quantize_int8(self.weight.data)
         if packing in ("native", "native-int8"):
             self.packed = torch.ops.tokenline.pack_linear_weight(self.weight.data.contiguous())
-        else:
+        elif packing == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
+        else:
+            self.packed = None
         self.packing = packing
         self.native_max_rows = self.packed_onednn = None
 
