@@ -73,16 +73,20 @@ def test_mixed_decode_and_chunked_prefill_match_dense_attention(backend_cls, dty
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ toolchain here to build the native CPU kernels")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 3), (6, 2), (8, 2), (7, 1)])  # groups of 1, 2, 3, 4 and 7
-def test_bf16_decode_rows_in_the_plain_layout_match_dense_attention(head_dim, heads):
+@pytest.mark.parametrize("block_size", [16, 6])
+def test_bf16_decode_rows_in_the_plain_layout_match_dense_attention(head_dim, heads, block_size):
     """The decode kernel on bf16 K/V in the plain layout (the vectorised one where the CPU has AVX-512 or AVX2):
     query heads of a GQA group taken three at a time with the rest after, contexts of 1 to 37 tokens (whole and
-    partial runs of 4 tokens, several blocks), and a row with nothing to attend to, which gives zeros."""
+    partial runs of 4 tokens, several blocks; blocks of 6 tokens end in a partial run of 4 too), and a row with
+    nothing to attend to, which gives zeros."""
     torch.manual_seed(1)
     num_heads, num_kv_heads = heads
-    block_size, lengths = 16, [1, 3, 4, 5, 17, 37, 0]
-    tables = torch.randperm(24)[:len(lengths) * 3].view(len(lengths), 3)
-    k_cache = torch.randn(24, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
-    v_cache = torch.randn(24, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
+    lengths = [1, 3, 4, 5, 17, 37, 0]
+    per_row = -(-max(lengths) // block_size)
+    pool = len(lengths) * per_row + 3
+    tables = torch.randperm(pool)[:len(lengths) * per_row].view(len(lengths), per_row)
+    k_cache = torch.randn(pool, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
+    v_cache = torch.randn(pool, num_kv_heads, block_size, head_dim).to(torch.bfloat16)
     q = torch.randn(len(lengths), num_heads, head_dim).to(torch.bfloat16)
     out = torch.empty(len(lengths), num_heads * head_dim, dtype=torch.bfloat16)
     scale = head_dim ** -0.5

@@ -150,6 +150,52 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
 }
 
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+__attribute__((always_inline)) inline void prefetch_block(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// Asks for `bytes` from p into L2 (nothing where p is nullptr): a pass's share of the block ahead between reads.
+__attribute__((always_inline)) inline void prefetch_share(const char* p, int64_t bytes) {
+  if (p == nullptr) return;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+constexpr int64_t kAhead = 4;  // blocks a pass asks for ahead of the one it reads (2 and 4 did alike; 1 and 8 less)
+
+// The blocks one (sequence, KV head) reads, in order: its keys' blocks, then its values'. Each pass asks for the
+// block kAhead places on in that order: one head's part of a block (2 KB at head_dim 64) lasts less than memory's
+// latency at the rate a thread reads it, so a block asked for one ahead arrived late (11 GB/s on one thread), and
+// the values' first blocks, and the keys' of the first pass, were not asked for at all (decode attention at batch
+// 8-32, 1 and 2 threads: 10-17% faster than one block ahead). Called inside the loops that hold the accumulators
+// in registers: it must inline, since a call would spill them (and did: 40% slower).
+// The packed-key passes ask for the block ahead (`ahead`) a few lines at a time between their reads, into L2,
+// rather than all 32 lines at once into L1 (`fetch`): a thread that asks for a block at once waits on line fill
+// buffers its own reads need. Decode attention alone (16 rows of 310 tokens, 30 layers, one thread, blocks
+// scattered through the pool): 7.5% faster than `fetch` (14.39 against 15.55 ms), 9.5% with each sequence's blocks
+// in order; into L1 a few lines at a time, 4.6% and 6.5%.
+struct KVStream {
+  const char* k;  // this head's part of block 0 of the pool, keys and values (the same shape in either layout)
+  const char* v;
+  int64_t stride;  // bytes from one block of the pool to the next
+  int64_t bytes;  // one head's part of a block, K or V
+  const int64_t* table;
+  int64_t blocks;  // the sequence's
+  // Block i of the stream (this head's part), or nullptr past its end.
+  __attribute__((always_inline)) inline const char* ahead(int64_t i) const {
+    if (i < blocks) return k + table[i] * stride;
+    if (i < 2 * blocks) return v + table[i - blocks] * stride;
+    return nullptr;
+  }
+  __attribute__((always_inline)) inline void fetch(int64_t i) const {
+    if (const char* p = ahead(i)) prefetch_block(p, bytes);
+  }
+  inline void start() const {
+    for (int64_t i = 0; i < kAhead; ++i) fetch(i);
+  }
+};
+#endif
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define TOKENLINE_ATTENTION_AVX2 1
 // CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2/3, older Intel): bf16 K/V in the plain layout, widened to fp32
@@ -157,7 +203,9 @@ void decode_kernel(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache,
 // chunk loaded and widened once for the heads, then the 12 sums reduced to 12 scores by horizontal adds. Values: a
 // run of 4 chunks (32 dims) of each head's output in registers while every V row of the sequence streams by. The
 // generic kernel above took each token's dot product alone, with a horizontal sum per token and head: 2.4x slower at
-// batch 32 on a Zen 3.
+// batch 32 on a Zen 3. K and V blocks are asked for ahead as the AVX-512 kernels do (KVStream, a share at a time):
+// without it, a profile showed the value rows' loads and whole-block prefetches waiting on memory, and 30 layers at
+// 32 x 300 tokens took 51 ms on one Zen 3 thread, 29 with it (kernel_ab).
 // [sum(a0), sum(a1), sum(a2), sum(a3)]
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -165,57 +213,74 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // Scores of G query heads (fp32, scaled; qf + g * head_dim) against the keys of tokens [0, len) of one
-// (sequence, KV head), into scores[g * len + t]. C: head_dim / 8.
+// (sequence, KV head), into scores[g * len + t]. C: head_dim / 8. The tokens are walked block by block of the table:
+// a division and a table read a token (t / block_size, t % block_size: an integer division is ~15 cycles on Zen 3,
+// as long as the FMAs of a token) cost as much as the token's arithmetic. `kv` (nullptr: nothing, for the later runs
+// of heads) asks for the stream's block kAhead on, the rows of it that match the 4 tokens read here, into L2.
 template <int C, int G>
 void avx2_scores(const float* qf, const c10::BFloat16* k_cache, const int64_t* table, int64_t block_stride,
-                 int64_t head_offset, int64_t block_size, int64_t len, float* scores, int64_t score_stride) {
+                 int64_t head_offset, int64_t block_size, int64_t len, float* scores, int64_t score_stride,
+                 const KVStream* kv) {
   constexpr int64_t head_dim = 8 * C;
-  for (int64_t t0 = 0; t0 < len; t0 += 4) {
-    const c10::BFloat16* rows[4];
-    for (int i = 0; i < 4; ++i) {
-      const int64_t t = std::min<int64_t>(t0 + i, len - 1);  // past the end: the last token again, not stored
-      rows[i] = k_cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
-    }
-    __m256 acc[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
-    for (int c = 0; c < C; ++c) {
+  for (int64_t start = 0, blk = 0; start < len; start += block_size, ++blk) {
+    const char* ahead = kv ? kv->ahead(blk + kAhead) : nullptr;
+    const c10::BFloat16* base = k_cache + table[blk] * block_stride + head_offset;
+    const int64_t n = std::min<int64_t>(block_size, len - start);
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+      prefetch_share(ahead ? ahead + t0 * head_dim * 2 : nullptr, 4 * head_dim * 2);
+      const c10::BFloat16* rows[4];
+      for (int i = 0; i < 4; ++i) rows[i] = base + std::min<int64_t>(t0 + i, n - 1) * head_dim;  // past n: again
+      __m256 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        __m256 qv[G];
+#pragma GCC unroll 3
+        for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(qf + g * head_dim + 8 * c);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        const __m256 k = widen8_bf16(rows[i] + 8 * c);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 k = widen8_bf16(rows[i] + 8 * c);
 #pragma GCC unroll 3
-        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + 8 * c), k, acc[g][i]);
+          for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(qv[g], k, acc[g][i]);
+        }
       }
-    }
-    alignas(16) float four[4];
-    const int64_t valid = std::min<int64_t>(4, len - t0);
+      alignas(16) float four[4];
+      const int64_t valid = std::min<int64_t>(4, n - t0);
 #pragma GCC unroll 3
-    for (int g = 0; g < G; ++g) {
-      _mm_store_ps(four, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-      std::memcpy(scores + g * score_stride + t0, four, valid * sizeof(float));
+      for (int g = 0; g < G; ++g) {
+        _mm_store_ps(four, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+        std::memcpy(scores + g * score_stride + start + t0, four, valid * sizeof(float));
+      }
     }
   }
 }
 
-// out_g[d] = sum_t p[g * len + t] * v[t][d] for G heads, 32 dims (4 chunks) at a time.
+// out_g[d] = sum_t p[g * len + t] * v[t][d] for G heads, 32 dims (4 chunks) at a time. `kv`: as for the scores,
+// a row of the values' block kAhead on with each row read by the first run of 32 dims.
 template <int C, int G>
 void avx2_values(const float* p, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_stride,
-                 int64_t head_offset, int64_t block_size, int64_t len, int64_t p_stride, float* acc_out) {
+                 int64_t head_offset, int64_t block_size, int64_t len, int64_t p_stride, float* acc_out,
+                 const KVStream* kv) {
   constexpr int64_t head_dim = 8 * C;
   for (int c0 = 0; c0 < C; c0 += 4) {
     __m256 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const c10::BFloat16* row = v_cache + table[t / block_size] * block_stride + head_offset + (t % block_size) * head_dim;
-      __m256 w[G];
+    for (int64_t start = 0, blk = 0; start < len; start += block_size, ++blk) {  // block by block, as the scores
+      const char* ahead = kv && c0 == 0 ? kv->ahead(kv->blocks + blk + kAhead) : nullptr;
+      const c10::BFloat16* row = v_cache + table[blk] * block_stride + head_offset + 8 * c0;
+      const int64_t end = std::min<int64_t>(start + block_size, len);
+      for (int64_t t = start; t < end; ++t, row += head_dim) {
+        prefetch_share(ahead ? ahead + (t - start) * head_dim * 2 : nullptr, head_dim * 2);
+        __m256 w[G];
 #pragma GCC unroll 3
-      for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * p_stride + t);
+        for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * p_stride + t);
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256 v = widen8_bf16(row + 8 * (c0 + j));
+        for (int j = 0; j < 4; ++j) {
+          const __m256 v = widen8_bf16(row + 8 * j);
 #pragma GCC unroll 3
-        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], v, acc[g][j]);
+          for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], v, acc[g][j]);
+        }
       }
     }
 #pragma GCC unroll 3
@@ -261,14 +326,23 @@ void decode_kernel_avx2(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
           load_row(q + b * q_stride + (h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
           for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] *= static_cast<float>(scale);
         }
+        // The keys' blocks, then the values', asked for kAhead blocks ahead by the first run of heads.
+        const int64_t head_bytes = block_size * head_dim * static_cast<int64_t>(sizeof(c10::BFloat16));
+        const KVStream kv{reinterpret_cast<const char*>(k_cache + head_offset),
+                          reinterpret_cast<const char*>(v_cache + head_offset),
+                          block_stride * static_cast<int64_t>(sizeof(c10::BFloat16)), head_bytes, table,
+                          (len + block_size - 1) / block_size};
+        kv.start();
         for_head_runs(group, [&](auto heads, int64_t g0) {
           avx2_scores<C, decltype(heads)::value>(qf.data() + g0 * head_dim, k_cache, table, block_stride, head_offset,
-                                                 block_size, len, scores.data() + g0 * len, len);
+                                                 block_size, len, scores.data() + g0 * len, len,
+                                                 g0 == 0 ? &kv : nullptr);
         });
         softmax_rows(scores.data(), group, len);
         for_head_runs(group, [&](auto heads, int64_t g0) {
           avx2_values<C, decltype(heads)::value>(scores.data() + g0 * len, v_cache, table, block_stride, head_offset,
-                                                 block_size, len, len, acc.data() + g0 * head_dim);
+                                                 block_size, len, len, acc.data() + g0 * head_dim,
+                                                 g0 == 0 ? &kv : nullptr);
         });
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -285,50 +359,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-__attribute__((always_inline)) inline void prefetch_block(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
-// Asks for `bytes` from p into L2 (nothing where p is nullptr): a pass's share of the block ahead between reads.
-__attribute__((always_inline)) inline void prefetch_share(const char* p, int64_t bytes) {
-  if (p == nullptr) return;
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
-constexpr int64_t kAhead = 4;  // blocks a pass asks for ahead of the one it reads (2 and 4 did alike; 1 and 8 less)
-
-// The blocks one (sequence, KV head) reads, in order: its keys' blocks, then its values'. Each pass asks for the
-// block kAhead places on in that order: one head's part of a block (2 KB at head_dim 64) lasts less than memory's
-// latency at the rate a thread reads it, so a block asked for one ahead arrived late (11 GB/s on one thread), and
-// the values' first blocks, and the keys' of the first pass, were not asked for at all (decode attention at batch
-// 8-32, 1 and 2 threads: 10-17% faster than one block ahead). Called inside the loops that hold the accumulators
-// in registers: it must inline, since a call would spill them (and did: 40% slower).
-// The packed-key passes ask for the block ahead (`ahead`) a few lines at a time between their reads, into L2,
-// rather than all 32 lines at once into L1 (`fetch`): a thread that asks for a block at once waits on line fill
-// buffers its own reads need. Decode attention alone (16 rows of 310 tokens, 30 layers, one thread, blocks
-// scattered through the pool): 7.5% faster than `fetch` (14.39 against 15.55 ms), 9.5% with each sequence's blocks
-// in order; into L1 a few lines at a time, 4.6% and 6.5%.
-struct KVStream {
-  const char* k;  // this head's part of block 0 of the pool, keys and values (the same shape in either layout)
-  const char* v;
-  int64_t stride;  // bytes from one block of the pool to the next
-  int64_t bytes;  // one head's part of a block, K or V
-  const int64_t* table;
-  int64_t blocks;  // the sequence's
-  // Block i of the stream (this head's part), or nullptr past its end.
-  __attribute__((always_inline)) inline const char* ahead(int64_t i) const {
-    if (i < blocks) return k + table[i] * stride;
-    if (i < 2 * blocks) return v + table[i - blocks] * stride;
-    return nullptr;
-  }
-  __attribute__((always_inline)) inline void fetch(int64_t i) const {
-    if (const char* p = ahead(i)) prefetch_block(p, bytes);
-  }
-  inline void start() const {
-    for (int64_t i = 0; i < kAhead; ++i) fetch(i);
-  }
-};
 
 // Where one KV head of one block lives, and what a sequence's decode reads.
 struct PagedSeq {
