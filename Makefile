@@ -47,7 +47,7 @@ gpu-check:
 	$(GPU_PY) -m benchmarks.gpu_check --out results/gpu_check.json $(GPU_CHECK_ARGS)
 
 bench-engine: install model
-	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json
+	$(BIN)/python -m benchmarks.bench_engine --model $(MODEL) --out results/bench_engine.json $(BENCH_ARGS)
 
 # The OpenAI API on 127.0.0.1:$(HTTP_PORT) (serve_config.yaml: 1 ingress, 1 engine replica of 2 CPUs); Ray dashboard on
 # 127.0.0.1:$(DASHBOARD_PORT).
