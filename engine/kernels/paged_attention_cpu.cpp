@@ -206,6 +206,7 @@ struct KVStream {
 // batch 32 on a Zen 3. K and V blocks are asked for ahead as the AVX-512 kernels do (KVStream, a share at a time):
 // without it, a profile showed the value rows' loads and whole-block prefetches waiting on memory, and 30 layers at
 // 32 x 300 tokens took 51 ms on one Zen 3 thread, 29 with it (kernel_ab).
+
 // [sum(a0), sum(a1), sum(a2), sum(a3)]
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
