@@ -216,19 +216,18 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // Scores of G query heads (fp32, scaled; qf + g * head_dim) against the keys of tokens [0, len) of one
 // (sequence, KV head), into scores[g * len + t]. C: head_dim / 8. The tokens are walked block by block of the table:
 // a division and a table read a token (t / block_size, t % block_size: an integer division is ~15 cycles on Zen 3,
-// as long as the FMAs of a token) cost as much as the token's arithmetic. `kv` (nullptr: nothing, for the later runs
-// of heads) asks for the stream's block kAhead on, the rows of it that match the 4 tokens read here, into L2.
+// as long as the FMAs of a token) cost as much as the token's arithmetic. The blocks are kv's; with `ask_ahead` (the
+// first run of heads) it asks for the stream's block kAhead on, the rows of it that match the 4 tokens read here.
 template <int C, int G>
-void avx2_scores(const float* qf, const c10::BFloat16* k_cache, const int64_t* table, int64_t block_stride,
-                 int64_t head_offset, int64_t block_size, int64_t len, float* scores, int64_t score_stride,
-                 const KVStream* kv) {
-  constexpr int64_t head_dim = 8 * C;
+void avx2_scores(const float* qf, const KVStream& kv, bool ask_ahead, int64_t block_size, int64_t len, float* scores,
+                 int64_t score_stride) {
+  constexpr int64_t head_dim = 8 * C, row_bytes = head_dim * sizeof(c10::BFloat16);
   for (int64_t start = 0, blk = 0; start < len; start += block_size, ++blk) {
-    const char* ahead = kv ? kv->ahead(blk + kAhead) : nullptr;
-    const c10::BFloat16* base = k_cache + table[blk] * block_stride + head_offset;
+    const char* ahead = ask_ahead ? kv.ahead(blk + kAhead) : nullptr;
+    const auto* base = reinterpret_cast<const c10::BFloat16*>(kv.ahead(blk));
     const int64_t n = std::min<int64_t>(block_size, len - start);
     for (int64_t t0 = 0; t0 < n; t0 += 4) {
-      prefetch_share(ahead ? ahead + t0 * head_dim * 2 : nullptr, 4 * head_dim * 2);
+      prefetch_share(ahead ? ahead + t0 * row_bytes : nullptr, 4 * row_bytes);
       const c10::BFloat16* rows[4];
       for (int i = 0; i < 4; ++i) rows[i] = base + std::min<int64_t>(t0 + i, n - 1) * head_dim;  // past n: again
       __m256 acc[G][4];
@@ -256,23 +255,22 @@ void avx2_scores(const float* qf, const c10::BFloat16* k_cache, const int64_t* t
   }
 }
 
-// out_g[d] = sum_t p[g * len + t] * v[t][d] for G heads, 32 dims (4 chunks) at a time. `kv`: as for the scores,
-// a row of the values' block kAhead on with each row read by the first run of 32 dims.
+// out_g[d] = sum_t p[g * len + t] * v[t][d] for G heads, 32 dims (4 chunks) at a time. `ask_ahead`: as for the
+// scores, a row of the values' block kAhead on with each row read by the first run of 32 dims.
 template <int C, int G>
-void avx2_values(const float* p, const c10::BFloat16* v_cache, const int64_t* table, int64_t block_stride,
-                 int64_t head_offset, int64_t block_size, int64_t len, int64_t p_stride, float* acc_out,
-                 const KVStream* kv) {
-  constexpr int64_t head_dim = 8 * C;
+void avx2_values(const float* p, const KVStream& kv, bool ask_ahead, int64_t block_size, int64_t len, int64_t p_stride,
+                 float* acc_out) {
+  constexpr int64_t head_dim = 8 * C, row_bytes = head_dim * sizeof(c10::BFloat16);
   for (int c0 = 0; c0 < C; c0 += 4) {
     __m256 acc[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
     for (int64_t start = 0, blk = 0; start < len; start += block_size, ++blk) {  // block by block, as the scores
-      const char* ahead = kv && c0 == 0 ? kv->ahead(kv->blocks + blk + kAhead) : nullptr;
-      const c10::BFloat16* row = v_cache + table[blk] * block_stride + head_offset + 8 * c0;
+      const char* ahead = ask_ahead && c0 == 0 ? kv.ahead(kv.blocks + blk + kAhead) : nullptr;
+      const auto* row = reinterpret_cast<const c10::BFloat16*>(kv.ahead(kv.blocks + blk)) + 8 * c0;
       const int64_t end = std::min<int64_t>(start + block_size, len);
       for (int64_t t = start; t < end; ++t, row += head_dim) {
-        prefetch_share(ahead ? ahead + (t - start) * head_dim * 2 : nullptr, head_dim * 2);
+        prefetch_share(ahead ? ahead + (t - start) * row_bytes : nullptr, row_bytes);
         __m256 w[G];
 #pragma GCC unroll 3
         for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(p + g * p_stride + t);
@@ -335,15 +333,13 @@ void decode_kernel_avx2(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
                           (len + block_size - 1) / block_size};
         kv.start();
         for_head_runs(group, [&](auto heads, int64_t g0) {
-          avx2_scores<C, decltype(heads)::value>(qf.data() + g0 * head_dim, k_cache, table, block_stride, head_offset,
-                                                 block_size, len, scores.data() + g0 * len, len,
-                                                 g0 == 0 ? &kv : nullptr);
+          avx2_scores<C, decltype(heads)::value>(qf.data() + g0 * head_dim, kv, g0 == 0, block_size, len,
+                                                 scores.data() + g0 * len, len);
         });
         softmax_rows(scores.data(), group, len);
         for_head_runs(group, [&](auto heads, int64_t g0) {
-          avx2_values<C, decltype(heads)::value>(scores.data() + g0 * len, v_cache, table, block_stride, head_offset,
-                                                 block_size, len, len, acc.data() + g0 * head_dim,
-                                                 g0 == 0 ? &kv : nullptr);
+          avx2_values<C, decltype(heads)::value>(scores.data() + g0 * len, kv, g0 == 0, block_size, len, len,
+                                                 acc.data() + g0 * head_dim);
         });
       }
       for (int64_t g = 0; g < group; ++g) {
