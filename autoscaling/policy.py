@@ -4,7 +4,9 @@ A replica whose KV cache is full preempts and stalls long before its request cou
 waiting queue misses its time-to-first-token. So this policy scales up when the waiting requests per replica, the
 KV usage or the preemption rate passes its high mark, and scales down only when waiting and KV usage are both
 under their low marks and, spread over one replica fewer, would stay under the middle of their bands (a scale-in
-that lands next to a high mark comes straight back). Between the marks it holds.
+that lands next to a high mark comes straight back), and have done so for a cooldown: a request's KV grows as it
+generates, so a load that looks small at one moment (requests that all started together) needs every replica a
+few seconds later. Between the marks it holds.
 
 `queue_kv_decision` is a pure function of `DeploymentSignals`, a `QueueKVConfig` and the state it returned last
 time; `QueueKVPolicy` adapts it to Ray Serve (`AutoscalingConfig(policy={"policy_function":
@@ -47,8 +49,10 @@ class QueueKVConfig:
     max_step_up: int = 2
     # Most replicas removed in one decision.
     max_step_down: int = 1
-    # No scale-down for this long after the load was last past a high mark: replicas added for it must first drain
-    # the backlog that made them, and a scale-down right after would bring it back.
+    # No scale-down for this long after the load last needed every replica: past a high mark, near one on one
+    # replica fewer, or waiting for replicas still starting. Replicas added for an overload must first drain the
+    # backlog that made them, and the KV of running requests grows until they finish, so the load must fit on fewer
+    # replicas for a while, not a moment.
     scale_down_cooldown_s: float = 60.0
     # Before any replica has reported its engine stats: Serve's rule (ongoing / target) with this target,
     # and only ever up.
@@ -119,13 +123,13 @@ def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: 
     if load is None:
         wanted = math.ceil(signals.total_ongoing / config.fallback_target_ongoing)
         if wanted > target:
-            state["last_overloaded_at"] = signals.now
+            state["last_needed_at"] = signals.now
             return decide(wanted, f"no engine stats yet; {signals.total_ongoing:.0f} ongoing requests")
         return decide(target, "no engine stats yet")
 
     pressure = load.pressure(config)
     if pressure > 1:
-        state["last_overloaded_at"] = signals.now
+        state["last_needed_at"] = signals.now
         # Replicas still starting will take their share: size the step on the count Serve is already moving to.
         base = max(n, target)
         excess = pressure * n / base - 1
@@ -135,18 +139,31 @@ def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: 
         return decide(base + step, f"overloaded ({_describe(load)})")
 
     if target > n:
+        # The load that asked for them is still here: the cooldown starts once they run.
+        state["last_needed_at"] = signals.now
         return decide(target, "replicas starting")
+    fewer = _fits_on(load, n, low, config)
+    if fewer == n and n > max(low, 1):
+        state["last_needed_at"] = signals.now
     if load.waiting > config.waiting_low or load.kv_usage > config.kv_low:
         return decide(target, f"within marks ({_describe(load)})")
     if n <= low:
         return decide(target, "under the low marks, at min_replicas")
     if not signals.all_reported:
         return decide(target, "under the low marks, but not every replica has reported")
-    last_overloaded = state.get("last_overloaded_at")
-    if last_overloaded is not None and signals.now - last_overloaded < config.scale_down_cooldown_s:
-        return decide(target, "under the low marks, cooling down after an overload")
-    # The load of the replicas removed moves to the others: remove only as many as keep it under the middle of
-    # each band. Averages hide peaks (a request's KV grows as it generates), hence the margin below the high marks.
+    if fewer == n:
+        return decide(target, f"under the low marks, but on {n - 1} replicas the load would near the high marks")
+    last_needed = state.get("last_needed_at")
+    if last_needed is not None and signals.now - last_needed < config.scale_down_cooldown_s:
+        return decide(target, f"under the low marks, cooling down: the load needed {n} replicas "
+                              f"{signals.now - last_needed:.0f}s ago")
+    return decide(min(fewer, target), f"under the low marks ({_describe(load)})")
+
+
+def _fits_on(load: Load, n: int, low: int, config: QueueKVConfig) -> int:
+    """The fewest replicas (at least n - max_step_down, min_replicas and 1) the load fits on: moved onto them, it
+    stays under the middle of each band. Averages hide peaks (a request's KV grows as it generates), hence the
+    margin below the high marks."""
     fewer = n
     while fewer > max(low, 1) and n - fewer < config.max_step_down:
         spread = n / (fewer - 1)
@@ -155,9 +172,7 @@ def queue_kv_decision(signals: DeploymentSignals, config: QueueKVConfig, state: 
                 or load.preemptions_per_s * spread >= config.preemptions_high / 2):
             break
         fewer -= 1
-    if fewer == n:
-        return decide(target, f"under the low marks, but on {n - 1} replicas the load would near the high marks")
-    return decide(min(fewer, target), f"under the low marks ({_describe(load)})")
+    return fewer
 
 
 def _describe(load: Load) -> str:

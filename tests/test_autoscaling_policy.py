@@ -66,9 +66,12 @@ CASES = [
     Case("all idle: one step down", signals([IDLE] * 3, ongoing=0), 2),
     Case("all idle at min_replicas stays", signals([IDLE] * 2, ongoing=0, low=2), 2),
     Case("no scale-down within the cooldown after an overload", signals([IDLE] * 3, now=1030.0), 3,
-         state={"last_overloaded_at": 1000.0}, reason="cooling down"),
+         state={"last_needed_at": 1000.0}, reason="cooling down"),
     Case("scale-down once the cooldown has passed", signals([IDLE] * 3, now=1061.0), 2,
-         state={"last_overloaded_at": 1000.0}),
+         state={"last_needed_at": 1000.0}),
+    Case("no scale-down within the cooldown after the load last needed every replica",
+         signals([replica(kv=0.3, waiting=0.3)] * 2, now=1030.0), 2, state={"last_needed_at": 1000.0},
+         reason="cooling down: the load needed 2 replicas 30s ago"),
     # bounds
     Case("never above max_replicas", signals([replica(waiting=20)] * 3, high=4), 4),
     Case("at max_replicas stays", signals([replica(waiting=20)] * 4, high=4), 4),
@@ -97,13 +100,43 @@ def test_queue_kv_decision(case: Case):
     assert case.reason in decision.reason
 
 
-def test_overload_is_remembered_even_while_replicas_start_and_the_callers_state_is_left_alone():
-    state = {"last_overloaded_at": 10.0}
+def test_overload_and_replicas_starting_are_remembered_and_the_callers_state_is_left_alone():
+    state = {"last_needed_at": 10.0}
     decision = queue_kv_decision(signals([replica(waiting=5)] * 2, now=500.0), CONFIG, state)
-    assert decision.state["last_overloaded_at"] == 500.0
-    assert state == {"last_overloaded_at": 10.0}
+    assert decision.state["last_needed_at"] == 500.0
+    assert state == {"last_needed_at": 10.0}
     starting = queue_kv_decision(signals([replica(waiting=2.5)] * 2, target=3, now=600.0), CONFIG, decision.state)
-    assert starting.num_replicas == 3 and starting.state["last_overloaded_at"] == 600.0
+    assert starting.num_replicas == 3 and starting.state["last_needed_at"] == 600.0
+    # Once the overload is gone, replicas still starting keep the cooldown from beginning.
+    waiting_for_them = queue_kv_decision(signals([IDLE] * 2, target=3, now=700.0), CONFIG, starting.state)
+    assert waiting_for_them.num_replicas == 3 and waiting_for_them.state["last_needed_at"] == 700.0
+
+
+def test_a_load_that_needs_every_replica_restarts_the_cooldown_without_an_overload():
+    state: dict = {}
+    needed = queue_kv_decision(signals([replica(kv=0.45)] * 2, now=500.0), CONFIG, state)
+    assert needed.num_replicas == 2 and needed.state["last_needed_at"] == 500.0
+    # At min_replicas no scale-in is possible: nothing to remember.
+    at_min = queue_kv_decision(signals([replica(kv=0.45)] * 2, low=2, now=510.0), CONFIG, needed.state)
+    assert at_min.state["last_needed_at"] == 500.0
+    fits = queue_kv_decision(signals([replica(kv=0.2)] * 2, now=540.0), CONFIG, needed.state)
+    assert fits.num_replicas == 2 and "cooling down" in fits.reason and fits.state["last_needed_at"] == 500.0
+    assert queue_kv_decision(signals([replica(kv=0.2)] * 2, now=561.0), CONFIG, fits.state).num_replicas == 1
+
+
+def test_waves_of_requests_that_start_together_never_scale_in_between_them():
+    """32 closed-loop streams of ~100-token prompts and 128 output tokens over 2 replicas of 384 blocks of 16: each
+    wave starts at 7 blocks a request (KV 29%, one replica could take it at that moment) and ends at 15 (62%).
+    Sampled every second from the overload that added the second replica, with a 10 s cooldown: the low moments
+    never last long enough for a scale-in."""
+    config = QueueKVConfig(scale_down_cooldown_s=10.0)
+    state: dict = {"last_needed_at": -1.0}
+    wave_s, blocks = 12, 2 * 384
+    for t in range(120):
+        kv = 32 * (7 + 8 * (t % wave_s) / wave_s) / blocks
+        decision = queue_kv_decision(signals([replica(kv=kv, running=16)] * 2, now=float(t)), config, state)
+        assert decision.num_replicas == 2, (t, kv, decision.reason)
+        state = decision.state
 
 
 def test_a_ramp_up_and_down_with_hysteresis_never_flaps():
@@ -150,7 +183,7 @@ def test_serve_adapter_reads_aggregated_metrics_per_replica_and_keeps_its_state_
                "num_running": {"a": 8.0, "b": 8.0}}
     replicas, state = policy(serve_context(metrics, ["a", "b"], target=2, ongoing=19.0))
     assert replicas == 3
-    assert state == {STATE_KEY: {"last_overloaded_at": 100.0}}
+    assert state == {STATE_KEY: {"last_needed_at": 100.0}}
     # A replica missing from aggregated_metrics (not reported yet) blocks a scale-down.
     idle = {"kv_usage": {"a": 0.0}, "num_waiting": {"a": 0.0}, "num_running": {"a": 0.0}}
     replicas, _ = policy(serve_context(idle, ["a", "b"], target=2, ongoing=0.0))
