@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -230,11 +231,20 @@ def _gguf_tensor(tensor: Any, heads: int | None, name: str, whole: dict[str, tor
 def _dequantized_path(path: Path) -> Path:
     """Where the dequantized tensors of this GGUF file (this size, this modification time) are kept: a replica
     that starts later reads them instead of dequantizing again (~3 s of CPU here, far more on a busy machine)."""
+    return _cached_path(path, "dequantized", ".safetensors", str(DEQUANTIZED_VERSION))
+
+
+def _cached_path(path: Path, kind: str, suffix: str, version: str | None = None) -> Path:
+    """Where what is derived from this GGUF file (this path, size and modification time; `version`: of the code
+    that derives it, by default the transformers that does) is kept in the cache."""
     from engine.model_fetch import cache_dir
 
+    if version is None:
+        import transformers
+        version = f"transformers-{transformers.__version__}"
     stat = path.stat()
-    key = hashlib.sha256(f"{DEQUANTIZED_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return cache_dir() / "dequantized" / f"{path.stem}-{key.hexdigest()[:16]}.safetensors"
+    key = hashlib.sha256(f"{version}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_dir() / kind / f"{path.stem}-{key.hexdigest()[:16]}{suffix}"
 
 
 def _dequantized_args(cached: Path) -> ModelArgs:
@@ -277,13 +287,39 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The model's tokenizer with its chat template: from the HF folder, or rebuilt from GGUF metadata."""
+    """The model's tokenizer with its chat template: from the HF folder, or rebuilt from GGUF metadata. Rebuilding
+    parses the whole GGUF file in Python (9 s here, most of an ingress replica's start), so the rebuilt tokenizer
+    is kept in the cache beside the dequantized weights, keyed like them and on the transformers version that
+    built it, and the next process reads that (0.3 s)."""
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser()
-    if is_gguf(path):
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not is_gguf(path):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    kept = _cached_path(path, "tokenizers", "")
+    if (kept / "tokenizer.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(kept, local_files_only=True)
+        except (OSError, ValueError) as exc:  # a damaged copy: rebuilt over
+            log.warning("could not read the kept tokenizer %s (%s); rebuilding it from %s", kept, exc, path)
+            shutil.rmtree(kept, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    _keep_tokenizer(tokenizer, kept)
+    return tokenizer
+
+
+def _keep_tokenizer(tokenizer: Any, target: Path) -> None:
+    """Best effort, like the dequantized weights: written beside the target, then renamed into place, so a process
+    reading at the same time sees the whole folder or none; the first of several writers wins."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        tokenizer.save_pretrained(partial)
+        partial.rename(target)
+    except OSError as exc:
+        if not target.exists():
+            log.warning("could not keep the tokenizer at %s: %s", target, exc)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def read_generation_eos(path: str | Path) -> tuple[int, ...]:
