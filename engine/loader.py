@@ -288,9 +288,9 @@ def _hf_name(gguf_name: str) -> str:
 
 def load_tokenizer(path: str | Path) -> Any:
     """The model's tokenizer with its chat template: from the HF folder, or rebuilt from GGUF metadata. Rebuilding
-    parses the whole GGUF file in Python (9 s here, most of an ingress replica's start), so the rebuilt tokenizer
+    parses the whole GGUF file in Python (8-9 s here, most of an ingress replica's start), so the rebuilt tokenizer
     is kept in the cache beside the dequantized weights, keyed like them and on the transformers version that
-    built it, and the next process reads that (0.3 s)."""
+    built it, and the next process reads that (0.5 s)."""
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser()
@@ -300,7 +300,7 @@ def load_tokenizer(path: str | Path) -> Any:
     if (kept / "tokenizer.json").exists():
         try:
             return AutoTokenizer.from_pretrained(kept, local_files_only=True)
-        except (OSError, ValueError) as exc:  # a damaged copy: rebuilt over
+        except Exception as exc:  # a damaged copy (the tokenizers library raises plain Exceptions): rebuilt over
             log.warning("could not read the kept tokenizer %s (%s); rebuilding it from %s", kept, exc, path)
             shutil.rmtree(kept, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)

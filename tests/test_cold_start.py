@@ -100,4 +100,4 @@ def test_a_gguf_tokenizer_is_rebuilt_once_and_read_back_the_same(smollm2_path, t
     same_time = loader._cached_path(copy, "tokenizers", "")
     assert same_time != kept  # another file: its own copy
     os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 1_000_000_000))
-    assert loader._cached_path(copy, "tokenizers", "") != same_time  # the file changed: rebuilt
+    assert loader._cached_path(copy, "tokenizers", "") != same_time  # the file changed: another key, so it is rebuilt
