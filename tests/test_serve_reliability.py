@@ -6,6 +6,7 @@ import json
 import random
 import re
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from tests.serve_processes import (ENGINE, INGRESS, grown_types, object_census, 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
 STORM_SIZE = 200
+REFUSED = "status-503: server_overloaded"
 STORM_CONCURRENCY = 40
 # Objects of one type a replica may gain over the second half of the storm (100 requests): a per-request leak
 # of anything (a request, a tensor, a task, a queue) shows as 100 or more.
@@ -46,7 +48,12 @@ async def cut_stream(http: httpx.AsyncClient, model: str, rng: random.Random, i:
         return "cut-before-headers"
     async with http.stream("POST", path, json=payload) as response:
         if response.status_code != 200:
-            return f"status-{response.status_code}"
+            await response.aread()
+            try:
+                detail = response.json()["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                detail = response.text[:200]
+            return f"status-{response.status_code}: {detail}"
         events = 0
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
@@ -87,8 +94,14 @@ def test_disconnect_storm_leaves_nothing_running_and_memory_flat(serve_app):
     objects = {**object_census(ENGINE), **object_census(INGRESS)}
     second = asyncio.run(storm(serve_app.base_url, serve_app.model, seed=2, count=STORM_SIZE - half))
     outcomes = first + second
-    assert len(outcomes) == STORM_SIZE and set(outcomes) <= {"cut-before-headers", "cut-after-events"}, outcomes
-    assert outcomes.count("cut-before-headers") > 10 and outcomes.count("cut-after-events") > 100
+    # A replica that judges it cannot take one more (its waiting queue, or its predicted finish against the deadline)
+    # refuses it with a 503 server_overloaded, by design; nothing else but a cut is allowed. (Once, in a whole run
+    # on a machine at half its usual speed, 67 of the 200 got a 503 whose code was not recorded then.)
+    refused = outcomes.count(REFUSED)
+    assert len(outcomes) == STORM_SIZE and set(outcomes) <= {"cut-before-headers", "cut-after-events", REFUSED}, (
+        [o for o in outcomes if not o.startswith("cut-")])
+    assert refused <= STORM_SIZE // 2, refused
+    assert outcomes.count("cut-before-headers") > 10 and outcomes.count("cut-after-events") > 60, Counter(outcomes)
 
     stats = wait_until_idle(serve_app, 30)
     assert len(stats) == 2, stats
