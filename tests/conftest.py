@@ -13,9 +13,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Tests marked `disruptive` (they kill, scale or redeploy the session's app) run last, these modules in this order
+# and then any other in file order: first those that need the app as the session started it, then those that
+# redeploy their own arguments over whatever the last one left (tests/serve_processes.py: as_started).
+DISRUPTIVE_MODULES = ("test_serve_failures.py", "test_autoscaling_e2e.py", "test_serve_tensor_parallel.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `disruptive` (they kill, scale or redeploy the session's app) run last, in file order."""
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    def order(item) -> tuple[int, int]:
+        if item.get_closest_marker("disruptive") is None:
+            return (0, 0)
+        name = item.path.name
+        return (1, DISRUPTIVE_MODULES.index(name) if name in DISRUPTIVE_MODULES else len(DISRUPTIVE_MODULES))
+
+    items.sort(key=order)
 
 
 def default_model_path() -> Path:
@@ -50,6 +61,7 @@ def serve_app(smollm2_path: Path, tmp_path_factory):
     # under `make serve`; Serve's proxy in front of the same app is `.proxy_url`.
     app = local.start(args, num_cpus=2, metrics_report_interval_ms=1000, dashboard_port=local.free_port(),
                       direct_ingress=True)
+    app.started_args = args  # what tests/serve_processes.py: as_started puts back
     try:
         yield app
     finally:

@@ -97,23 +97,9 @@ class Streams:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=120)
 
 
-@pytest.fixture(scope="module")
-def autoscaled_app(serve_app):
-    """The session's app, put back as it was once this module's tests have redeployed it."""
-    original = serve_app.args
-    try:
-        yield serve_app
-    finally:
-        serve_app.redeploy(original)
-        deadline = time.monotonic() + 180
-        while running_engine_replicas() != original.num_engine_replicas and time.monotonic() < deadline:
-            time.sleep(1)
-    assert running_engine_replicas() == original.num_engine_replicas
-
-
-def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losing_requests(autoscaled_app):
-    serve_app = autoscaled_app
-    scaled = serve_app.args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FAST})
+# Each test deploys its own arguments over whatever the last disruptive test left (tests/conftest.py).
+def test_engine_replicas_scale_out_under_load_and_back_in_after_it_without_losing_requests(serve_app):
+    scaled = serve_app.started_args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FAST})
 
     async def scenario() -> tuple[float, float, Streams, Streams]:
         await wait_for(lambda: alive_engine_replicas() == 1 and running_engine_replicas() == 1, 120,
@@ -157,9 +143,8 @@ FIRST_REQUESTS = 4
 ROUTABLE_AFTER_READY_S = 5.0
 
 
-def test_from_zero_replicas_the_first_requests_are_answered_once_one_has_started_none_lost(autoscaled_app):
-    serve_app = autoscaled_app
-    serve_app.redeploy(serve_app.args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FROM_ZERO}))
+def test_from_zero_replicas_the_first_requests_are_answered_once_one_has_started_none_lost(serve_app):
+    serve_app.redeploy(serve_app.started_args.model_copy(update={"num_engine_replicas": 1, "autoscaling": FROM_ZERO}))
 
     async def ask(client: AsyncOpenAI) -> tuple[float, int]:
         """Seconds to the whole answer, and its completion tokens."""

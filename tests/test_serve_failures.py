@@ -1,6 +1,7 @@
 """Failures and changes under load: a killed engine replica, an engine whose step loop dies, overload past every
 bound, a redeploy that scales down while streams run, overload against deadlines, and /health with no engine
-replica. Each test leaves the session app as it found it."""
+replica. A test that needs the session's app as it started asks for it (as_started); one that redeploys it leaves
+it so."""
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,8 @@ import psutil
 import pytest
 
 from deployments.config import AppArgs
-from tests.serve_processes import (ENGINE, INGRESS, break_step_loop, replica_actors, replica_pids, rss_mb,
-                                   wait_for_replicas, wait_until_idle)
+from tests.serve_processes import (ENGINE, INGRESS, as_started, break_step_loop, replica_actors, replica_pids,
+                                   rss_mb, wait_for_replicas, wait_until_idle)
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.disruptive]
 
@@ -103,6 +104,7 @@ def sequential_requests_succeed(serve_app, count: int) -> list[int]:
 
 
 def test_killed_engine_replica_fails_its_requests_cleanly_and_is_replaced(serve_app):
+    as_started(serve_app)
     assert len(wait_until_idle(serve_app, 60)) == 2
     pids = replica_pids(ENGINE)
     assert len(pids) == 2
@@ -133,6 +135,7 @@ def process_is_gone(pid: int) -> bool:
 def test_replica_whose_engine_dies_exits_at_once_and_is_replaced(serve_app):
     import ray
 
+    as_started(serve_app)
     assert len(wait_until_idle(serve_app, 60)) == 2
     pids = replica_pids(ENGINE)
     victim_id, victim = sorted(replica_actors(ENGINE).items())[0]
@@ -159,39 +162,35 @@ def overloaded_args(args: AppArgs) -> AppArgs:
 
 
 def test_redeploy_drains_streams_then_overload_is_refused_with_retry_after(serve_app):
-    original = serve_app.args
+    as_started(serve_app)
     assert len(wait_until_idle(serve_app, 60)) == 2
-    try:
-        # Scale down and change every replica's arguments while 12 requests stream: none is cut.
-        load = Background(serve_app.base_url, serve_app.model, 12, 48)
-        wait_until_busy(serve_app, 6)
-        serve_app.redeploy(overloaded_args(original))
-        assert load.result(240) == ["complete"] * 12
-        assert len(wait_for_replicas(serve_app, 1, 120)) == 1
+    # Scale down and change every replica's arguments while 12 requests stream: none is cut.
+    load = Background(serve_app.base_url, serve_app.model, 12, 48)
+    wait_until_busy(serve_app, 6)
+    serve_app.redeploy(overloaded_args(serve_app.started_args))
+    assert load.result(240) == ["complete"] * 12
+    assert len(wait_for_replicas(serve_app, 1, 120)) == 1
 
-        ingress_pids = replica_pids(INGRESS)
-        before = rss_mb(ingress_pids)
-        outcomes: list[tuple[int, str, str | None]] = []
-        for _ in range(2):
-            outcomes += asyncio.run(flood(serve_app.base_url, 40))
-        after = rss_mb(ingress_pids)
-        codes = {code for code, _, _ in outcomes}
-        assert codes == {200, 503}, outcomes
-        refusals = [message for code, message, _ in outcomes if code == 503]
-        assert all(retry_after and int(retry_after) >= 1 for code, _, retry_after in outcomes if code == 503)
-        assert any("requests at once" in m for m in refusals), refusals  # the ingress's own bound
-        assert any("waiting queue is full" in m or "every engine replica is busy" in m for m in refusals), refusals
-        assert all(after[r] - before[r] < 32 for r in before), (before, after)
+    ingress_pids = replica_pids(INGRESS)
+    before = rss_mb(ingress_pids)
+    outcomes: list[tuple[int, str, str | None]] = []
+    for _ in range(2):
+        outcomes += asyncio.run(flood(serve_app.base_url, 40))
+    after = rss_mb(ingress_pids)
+    codes = {code for code, _, _ in outcomes}
+    assert codes == {200, 503}, outcomes
+    refusals = [message for code, message, _ in outcomes if code == 503]
+    assert all(retry_after and int(retry_after) >= 1 for code, _, retry_after in outcomes if code == 503)
+    assert any("requests at once" in m for m in refusals), refusals  # the ingress's own bound
+    assert any("waiting queue is full" in m or "every engine replica is busy" in m for m in refusals), refusals
+    assert all(after[r] - before[r] < 32 for r in before), (before, after)
 
-        # The configured deadline (6 s here) ends a request nobody set a deadline for.
-        with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
-            response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True})
-        assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
-        stats = wait_until_idle(serve_app, 30, num_replicas=1)
-        assert all(s.num_running == 0 and s.num_used_kv_blocks == 0 for s in stats), stats
-    finally:
-        serve_app.redeploy(original)
-    assert len(wait_for_replicas(serve_app, 2, 240)) == 2
+    # The configured deadline (6 s here) ends a request nobody set a deadline for.
+    with httpx.Client(base_url=serve_app.base_url, timeout=60) as http:
+        response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True})
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+    stats = wait_until_idle(serve_app, 30, num_replicas=1)
+    assert all(s.num_running == 0 and s.num_used_kv_blocks == 0 for s in stats), stats
 
 
 async def flood(base_url: str, count: int) -> list[tuple[int, str, str | None]]:
@@ -261,46 +260,41 @@ async def closed_loop(base_url: str, clients: int, seconds: float) -> list[tuple
 
 
 def test_overload_with_deadlines_is_refused_at_once_and_what_is_admitted_finishes_in_time(serve_app):
-    original = serve_app.args
-    try:
-        serve_app.redeploy(deadline_args(original))
-        assert len(wait_for_replicas(serve_app, 1, 120)) == 1
-        # What the replica serves at once, alone; this also gives it the step history its estimate needs.
-        alone = asyncio.run(at_once(serve_app.base_url, 4))
-        assert {status for status, *_ in alone} == {200}, alone
-        service_s = max(seconds for _, seconds, *_ in alone)
-        clients = min(96, max(12, round(OVERLOAD * 4 / service_s * DEADLINE_S)))
-        records = asyncio.run(closed_loop(serve_app.base_url, clients, LOAD_S))
-        statuses = Counter(status for status, *_ in records)
-        print(f"{clients} clients, {service_s:.1f}s alone: {dict(statuses)}")
-        assert set(statuses) <= {200, 503, 408}, statuses
-        assert statuses[200] > 0 and statuses[503] > statuses[200], statuses  # 3x: most are turned away
-        refusals = [(retry_after, code) for status, _, retry_after, code in records if status == 503]
-        assert all(code == "server_overloaded" and int(retry_after) >= 1 for retry_after, code in refusals)
-        assert max(int(retry_after) for retry_after, _ in refusals) > 1  # the replica's backlog, not a default
-        past_deadline = statuses[408] + sum(1 for s, seconds, *_ in records if s == 200 and seconds > DEADLINE_S)
-        assert past_deadline < 0.05 * len(records), (past_deadline, len(records))
-        # Once the load stops, what the clients hung up on is aborted (admission counts it until then: a request
-        # sent in that moment is refused on the backlog it sees), and the next request is served as fast as it
-        # was alone.
-        stats = wait_until_idle(serve_app, 30, num_replicas=1)
-        assert all(s.num_running == 0 and s.num_waiting == 0 and s.num_used_kv_blocks == 0 for s in stats), stats
-        [(status, seconds, _, _)] = asyncio.run(at_once(serve_app.base_url, 1))
-        assert status == 200 and seconds < 1.5 * service_s + 2, (seconds, service_s)
+    serve_app.redeploy(deadline_args(serve_app.started_args))
+    assert len(wait_for_replicas(serve_app, 1, 120)) == 1
+    # What the replica serves at once, alone; this also gives it the step history its estimate needs.
+    alone = asyncio.run(at_once(serve_app.base_url, 4))
+    assert {status for status, *_ in alone} == {200}, alone
+    service_s = max(seconds for _, seconds, *_ in alone)
+    clients = min(96, max(12, round(OVERLOAD * 4 / service_s * DEADLINE_S)))
+    records = asyncio.run(closed_loop(serve_app.base_url, clients, LOAD_S))
+    statuses = Counter(status for status, *_ in records)
+    print(f"{clients} clients, {service_s:.1f}s alone: {dict(statuses)}")
+    assert set(statuses) <= {200, 503, 408}, statuses
+    assert statuses[200] > 0 and statuses[503] > statuses[200], statuses  # 3x: most are turned away
+    refusals = [(retry_after, code) for status, _, retry_after, code in records if status == 503]
+    assert all(code == "server_overloaded" and int(retry_after) >= 1 for retry_after, code in refusals)
+    assert max(int(retry_after) for retry_after, _ in refusals) > 1  # the replica's backlog, not a default
+    past_deadline = statuses[408] + sum(1 for s, seconds, *_ in records if s == 200 and seconds > DEADLINE_S)
+    assert past_deadline < 0.05 * len(records), (past_deadline, len(records))
+    # Once the load stops, what the clients hung up on is aborted (admission counts it until then: a request
+    # sent in that moment is refused on the backlog it sees), and the next request is served as fast as it
+    # was alone.
+    stats = wait_until_idle(serve_app, 30, num_replicas=1)
+    assert all(s.num_running == 0 and s.num_waiting == 0 and s.num_used_kv_blocks == 0 for s in stats), stats
+    [(status, seconds, _, _)] = asyncio.run(at_once(serve_app.base_url, 1))
+    assert status == 200 and seconds < 1.5 * service_s + 2, (seconds, service_s)
 
-        # No engine replica answers (the only one is frozen, so Serve does not replace it within seconds, as it
-        # would a killed one): /health says so. Then it is killed, and Serve replaces it.
-        [pid] = replica_pids(ENGINE).values()
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            deadline = time.monotonic() + 30
-            with httpx.Client(base_url=serve_app.base_url, timeout=30) as http:
-                while (health := http.get("/health")).status_code == 200:
-                    assert time.monotonic() < deadline, "/health stayed 200 with no engine replica answering"
-                    time.sleep(0.5)
-            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
-        finally:
-            os.kill(pid, signal.SIGKILL)
+    # No engine replica answers (the only one is frozen, so Serve does not replace it within seconds, as it
+    # would a killed one): /health says so. Then it is killed (replacing a killed replica is the first test's).
+    [pid] = replica_pids(ENGINE).values()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        with httpx.Client(base_url=serve_app.base_url, timeout=30) as http:
+            while (health := http.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health stayed 200 with no engine replica answering"
+                time.sleep(0.5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
     finally:
-        serve_app.redeploy(original)
-    assert len(wait_for_replicas(serve_app, 2, 240)) == 2
+        os.kill(pid, signal.SIGKILL)

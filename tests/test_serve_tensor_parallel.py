@@ -7,7 +7,6 @@ import time
 import openai
 import pytest
 
-from deployments.local import APP_NAME
 from deployments.tp_ranks import RANK_ACTOR_PREFIX
 from tests.serve_processes import wait_for_replicas
 
@@ -24,22 +23,13 @@ def rank_actors() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tp_app(serve_app):
-    """The session's app redeployed as one replica of two ranks, put back as it was afterwards."""
-    original = serve_app.args
-    engine = original.engine.model_copy(update={"tensor_parallel_size": 2})
-    try:
-        serve_app.redeploy(original.model_copy(update={"num_engine_replicas": 1, "engine_num_cpus": 1,
-                                                        "engine": engine}))
-        wait_for_replicas(serve_app, 1, timeout_s=240)
-        yield serve_app
-    finally:
-        from ray import serve
-
-        # A rolling update starts the new replicas first: they would wait forever for the CPUs the two-rank
-        # replica holds.
-        serve.delete(APP_NAME)
-        serve_app.redeploy(original)
-        wait_for_replicas(serve_app, original.num_engine_replicas, timeout_s=240)
+    """The session's app redeployed as one replica of two ranks, over whatever the last disruptive test left; it
+    stays so (tests/conftest.py runs this module last; tests/serve_processes.py: as_started puts it back)."""
+    started = serve_app.started_args
+    engine = started.engine.model_copy(update={"tensor_parallel_size": 2})
+    serve_app.redeploy(started.model_copy(update={"num_engine_replicas": 1, "engine_num_cpus": 1, "engine": engine}))
+    wait_for_replicas(serve_app, 1, timeout_s=240)
+    return serve_app
 
 
 def ask(app, timeout_s: float = 60) -> str:
