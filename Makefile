@@ -77,6 +77,11 @@ bench-peers: install model
 step-breakdown: install model
 	$(BIN)/python -m benchmarks.step_breakdown --model $(MODEL) --out results/step_breakdown.json $(BENCH_ARGS)
 
+# This CPU's fp32 FMA peak on 1 and every thread, and the decode tok/s it allows the model at batch 32.
+.PHONY: cpu-peak
+cpu-peak: install model
+	$(BIN)/python -m benchmarks.cpu_peak --model $(MODEL) --out results/cpu_peak.json $(BENCH_ARGS)
+
 # What int8 weights (engine.quantization: int8) cost: greedy agreement with bf16 and mean log-prob of its answers.
 quant-accuracy: install model
 	$(BIN)/python -m benchmarks.quant_accuracy --model $(MODEL) --out results/quant_accuracy.json $(BENCH_ARGS)

@@ -1,0 +1,171 @@
+"""This CPU's arithmetic ceiling: fp32 FMA GFLOP/s on 1..N threads, and the decode tok/s it allows a model.
+
+A loop of independent 256-bit FMAs (AVX2; 512-bit where the CPU has AVX-512F), 12 chains a thread so that the
+FMA units, not their latency, bound it, compiled here with the system's C compiler and run on each thread count
+(one pinned thread a CPU). The best of `--repeats` is the peak: what no kernel of fp32 FMAs can pass, whatever its
+memory traffic. A decode token costs 2 FLOPs a weight of the linears and the LM head, plus attention over its
+context; with `--model` it prints the decode tok/s a batch of `--batch` could reach at that peak, every FLOP an FMA
+at full rate.
+
+    python -m benchmarks.cpu_peak --threads 1,2 --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define LANES 16
+#define SET1 _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define FIRST(v) _mm512_cvtss_f32(v)
+#else
+typedef __m256 vec;
+#define LANES 8
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define FIRST(v) _mm256_cvtss_f32(v)
+#endif
+#define CHAINS 12
+
+static long iterations;
+static pthread_barrier_t start;
+static double seconds[1024];
+static float sink[1024];
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void* run(void* arg) {
+  long id = (long)arg;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET((int)id, &set);
+  sched_setaffinity(0, sizeof(set), &set);
+  vec acc[CHAINS], b = SET1(0.999f), c = SET1(1e-3f);
+  for (int i = 0; i < CHAINS; ++i) acc[i] = SET1((float)i);
+  pthread_barrier_wait(&start);
+  double t0 = now();
+  for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(b, acc[i], c);
+    __asm__ volatile("" : "+x"(b), "+x"(c));
+  }
+  seconds[id] = now() - t0;
+  float s = 0;
+  for (int i = 0; i < CHAINS; ++i) s += FIRST(acc[i]);
+  sink[id] = s;
+  return NULL;
+}
+
+int main(int argc, char** argv) {
+  int threads = atoi(argv[1]);
+  iterations = atol(argv[2]);
+  pthread_t t[1024];
+  pthread_barrier_init(&start, NULL, threads);
+  for (long i = 0; i < threads; ++i) pthread_create(&t[i], NULL, run, (void*)i);
+  double slowest = 0;
+  for (int i = 0; i < threads; ++i) {
+    pthread_join(t[i], NULL);
+    if (seconds[i] > slowest) slowest = seconds[i];
+  }
+  /* FLOPs: 2 an FMA lane */
+  printf("%d %.6f %g\n", LANES, slowest, (double)sink[0]);
+  return 0;
+}
+"""
+
+
+def build(workdir: Path) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("cpu_peak: no C compiler (cc or gcc) on PATH")
+    source, binary = workdir / "fma_peak.c", workdir / "fma_peak"
+    source.write_text(SOURCE)
+    subprocess.run([compiler, "-O2", "-march=native", "-pthread", str(source), "-o", str(binary)], check=True)
+    return binary
+
+
+def peak_gflops(binary: Path, threads: int, iterations: int, repeats: int) -> tuple[float, int]:
+    """The best of `repeats` runs: fp32 GFLOP/s of `threads` threads together, and the vector's lanes."""
+    best = 0.0
+    lanes = 0
+    for _ in range(repeats):
+        out = subprocess.run([str(binary), str(threads), str(iterations)], check=True, capture_output=True,
+                             text=True).stdout.split()
+        lanes, slowest = int(out[0]), float(out[1])
+        flops = threads * iterations * 12 * lanes * 2
+        best = max(best, flops / slowest / 1e9)
+    return best, lanes
+
+
+def decode_flops(model: str, context: int) -> tuple[float, str]:
+    """FLOPs of one decode token: 2 a weight of every linear and the LM head, and attention's QK and PV over
+    `context` tokens."""
+    from engine.loader import read_model_args
+
+    args = read_model_args(model)
+    d, q_heads, kv_heads, head_dim = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
+    per_layer = d * (q_heads + 2 * kv_heads) * head_dim + q_heads * head_dim * d + 3 * d * args.intermediate_size
+    weights = args.num_layers * per_layer + d * args.vocab_size
+    attention = args.num_layers * q_heads * head_dim * context * 2
+    return 2.0 * (weights + attention), f"{args.num_layers} layers, hidden {d}, vocab {args.vocab_size}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default=",".join(str(n) for n in sorted({1, os.cpu_count() or 1})),
+                        help="comma-separated thread counts (default: 1 and every CPU)")
+    parser.add_argument("--iterations", type=int, default=20_000_000, help="loop trips a thread (12 FMAs each)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", help="also print the decode tok/s this peak allows the model")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=300, help="tokens each decode attends to")
+    parser.add_argument("--out", default="results/cpu_peak.json")
+    args = parser.parse_args()
+
+    result: dict = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": {}}
+    with tempfile.TemporaryDirectory(prefix="cpu-peak-") as tmp:
+        binary = build(Path(tmp))
+        for threads in (int(n) for n in args.threads.split(",")):
+            gflops, lanes = peak_gflops(binary, threads, args.iterations, args.repeats)
+            result["threads"][threads] = gflops
+            result["vector_lanes"] = lanes
+            print(f"{threads} thread(s): {gflops:.1f} GFLOP/s fp32 FMA peak ({lanes}-lane vectors)")
+    if args.model:
+        flops, shape = decode_flops(args.model, args.context)
+        top = max(result["threads"].values())
+        step_ms = flops * args.batch / (top * 1e9) * 1000
+        result["model"] = {"path": args.model, "shape": shape, "decode_mflop_per_token": flops / 1e6,
+                           "batch": args.batch, "context": args.context, "min_step_ms": step_ms,
+                           "max_decode_tok_s": args.batch / step_ms * 1000}
+        print(f"{shape}: {flops / 1e6:.0f} MFLOP a decode token at {args.context} tokens of context; a batch of "
+              f"{args.batch} at {top:.0f} GFLOP/s: at least {step_ms:.1f} ms a step, at most "
+              f"{args.batch / step_ms * 1000:.0f} decode tok/s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
