@@ -3,7 +3,8 @@
 A loop of independent 256-bit FMAs (AVX2; 512-bit where the CPU has AVX-512F), 12 chains a thread so that the
 FMA units, not their latency, bound it, compiled here with the system's C compiler and run on each thread count
 (one pinned thread a CPU). The best of `--repeats` is the peak: what no kernel of fp32 FMAs can pass, whatever its
-memory traffic. A decode token costs 2 FLOPs a weight of the linears and the LM head, plus attention over its
+memory traffic. Beside it the same loop of int16 dot products (`vpmaddwd`, then the int32 add that accumulates
+them: what an int8 or int16 kernel without VNNI runs), in multiply-adds a second, against the FMAs' 2 FLOPs each. A decode token costs 2 FLOPs a weight of the linears and the LM head, plus attention over its
 context; with `--model` it prints the decode tok/s a batch of `--batch` could reach at that peak, every FLOP an FMA
 at full rate.
 
@@ -31,20 +32,29 @@ SOURCE = r"""
 
 #ifdef __AVX512F__
 typedef __m512 vec;
+typedef __m512i ivec;
 #define LANES 16
 #define SET1 _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
 #define FIRST(v) _mm512_cvtss_f32(v)
+#define ISET1 _mm512_set1_epi16
+#define IMADD(a, x, w) _mm512_add_epi32(a, _mm512_madd_epi16(x, w))
+#define IFIRST(v) _mm_cvtsi128_si32(_mm512_castsi512_si128(v))
 #else
 typedef __m256 vec;
+typedef __m256i ivec;
 #define LANES 8
 #define SET1 _mm256_set1_ps
 #define FMA _mm256_fmadd_ps
 #define FIRST(v) _mm256_cvtss_f32(v)
+#define ISET1 _mm256_set1_epi16
+#define IMADD(a, x, w) _mm256_add_epi32(a, _mm256_madd_epi16(x, w))
+#define IFIRST(v) _mm_cvtsi128_si32(_mm256_castsi256_si128(v))
 #endif
 #define CHAINS 12
 
 static long iterations;
+static int int16_dots;
 static pthread_barrier_t start;
 static double seconds[1024];
 static float sink[1024];
@@ -61,18 +71,35 @@ static void* run(void* arg) {
   CPU_ZERO(&set);
   CPU_SET((int)id, &set);
   sched_setaffinity(0, sizeof(set), &set);
-  vec acc[CHAINS], b = SET1(0.999f), c = SET1(1e-3f);
-  for (int i = 0; i < CHAINS; ++i) acc[i] = SET1((float)i);
   pthread_barrier_wait(&start);
   double t0 = now();
-  for (long n = 0; n < iterations; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(b, acc[i], c);
-    __asm__ volatile("" : "+x"(b), "+x"(c));
-  }
-  seconds[id] = now() - t0;
   float s = 0;
-  for (int i = 0; i < CHAINS; ++i) s += FIRST(acc[i]);
+  if (int16_dots) {
+    /* 6 x values against 2 weights: 12 sums, each a dot product of int16 pairs added into int32 lanes */
+    ivec acc[CHAINS], x[CHAINS / 2], w0 = ISET1(5), w1 = ISET1(7);
+    for (int i = 0; i < CHAINS; ++i) acc[i] = ISET1(0);
+    for (int i = 0; i < CHAINS / 2; ++i) x[i] = ISET1((short)(i + 1));
+    for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 6
+      for (int i = 0; i < CHAINS / 2; ++i) {
+        acc[2 * i] = IMADD(acc[2 * i], x[i], w0);
+        acc[2 * i + 1] = IMADD(acc[2 * i + 1], x[i], w1);
+      }
+      __asm__ volatile("" : "+x"(w0), "+x"(w1));
+    }
+    seconds[id] = now() - t0;
+    for (int i = 0; i < CHAINS; ++i) s += (float)IFIRST(acc[i]);
+  } else {
+    vec acc[CHAINS], b = SET1(0.999f), c = SET1(1e-3f);
+    for (int i = 0; i < CHAINS; ++i) acc[i] = SET1((float)i);
+    for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+      for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(b, acc[i], c);
+      __asm__ volatile("" : "+x"(b), "+x"(c));
+    }
+    seconds[id] = now() - t0;
+    for (int i = 0; i < CHAINS; ++i) s += FIRST(acc[i]);
+  }
   sink[id] = s;
   return NULL;
 }
@@ -80,6 +107,7 @@ static void* run(void* arg) {
 int main(int argc, char** argv) {
   int threads = atoi(argv[1]);
   iterations = atol(argv[2]);
+  int16_dots = argc > 3 && argv[3][0] == 'i';
   pthread_t t[1024];
   pthread_barrier_init(&start, NULL, threads);
   for (long i = 0; i < threads; ++i) pthread_create(&t[i], NULL, run, (void*)i);
@@ -88,7 +116,6 @@ int main(int argc, char** argv) {
     pthread_join(t[i], NULL);
     if (seconds[i] > slowest) slowest = seconds[i];
   }
-  /* FLOPs: 2 an FMA lane */
   printf("%d %.6f %g\n", LANES, slowest, (double)sink[0]);
   return 0;
 }
@@ -105,16 +132,16 @@ def build(workdir: Path) -> Path:
     return binary
 
 
-def peak_gflops(binary: Path, threads: int, iterations: int, repeats: int) -> tuple[float, int]:
-    """The best of `repeats` runs: fp32 GFLOP/s of `threads` threads together, and the vector's lanes."""
+def peak_rate(binary: Path, threads: int, iterations: int, repeats: int, int16_dots: bool = False) -> tuple[float, int]:
+    """The best of `repeats` runs of `threads` threads together: fp32 GFLOP/s of FMAs (2 a lane), or with
+    `int16_dots` G int16 multiply-adds a second (2 a 32-bit lane); and the vector's fp32 lanes."""
     best = 0.0
     lanes = 0
     for _ in range(repeats):
-        out = subprocess.run([str(binary), str(threads), str(iterations)], check=True, capture_output=True,
-                             text=True).stdout.split()
+        out = subprocess.run([str(binary), str(threads), str(iterations)] + (["int16"] if int16_dots else []),
+                             check=True, capture_output=True, text=True).stdout.split()
         lanes, slowest = int(out[0]), float(out[1])
-        flops = threads * iterations * 12 * lanes * 2
-        best = max(best, flops / slowest / 1e9)
+        best = max(best, threads * iterations * 12 * lanes * 2 / slowest / 1e9)
     return best, lanes
 
 
@@ -143,14 +170,18 @@ def main() -> None:
     parser.add_argument("--out", default="results/cpu_peak.json")
     args = parser.parse_args()
 
-    result: dict = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": {}}
+    result: dict = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": {},
+                    "int16_gmacs": {}}
     with tempfile.TemporaryDirectory(prefix="cpu-peak-") as tmp:
         binary = build(Path(tmp))
         for threads in (int(n) for n in args.threads.split(",")):
-            gflops, lanes = peak_gflops(binary, threads, args.iterations, args.repeats)
+            gflops, lanes = peak_rate(binary, threads, args.iterations, args.repeats)
+            gmacs, _ = peak_rate(binary, threads, args.iterations, args.repeats, int16_dots=True)
             result["threads"][threads] = gflops
+            result["int16_gmacs"][threads] = gmacs
             result["vector_lanes"] = lanes
-            print(f"{threads} thread(s): {gflops:.1f} GFLOP/s fp32 FMA peak ({lanes}-lane vectors)")
+            print(f"{threads} thread(s): {gflops:.1f} GFLOP/s fp32 FMA peak ({lanes}-lane vectors: "
+                  f"{gflops / 2:.1f} G multiply-adds/s); int16 dot products {gmacs:.1f} G multiply-adds/s")
     if args.model:
         flops, shape = decode_flops(args.model, args.context)
         top = max(result["threads"].values())

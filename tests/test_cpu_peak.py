@@ -24,6 +24,7 @@ def test_the_peak_is_measured_on_each_thread_count_and_bounds_a_models_decode(tm
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result["threads"]) == {"1"} and result["threads"]["1"] > 0.5
+    assert set(result["int16_gmacs"]) == {"1"} and result["int16_gmacs"]["1"] > 0.25
     assert result["vector_lanes"] in (8, 16)
     model = result["model"]
     assert model["max_decode_tok_s"] == pytest.approx(4 / model["min_step_ms"] * 1000)
