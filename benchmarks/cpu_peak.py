@@ -123,6 +123,8 @@ int main(int argc, char** argv) {
 
 
 def build(workdir: Path) -> Path:
+    if platform.machine() != "x86_64":
+        raise SystemExit(f"cpu_peak: its FMA loop is x86-64 (AVX2 or AVX-512), this is {platform.machine()}")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("cpu_peak: no C compiler (cc or gcc) on PATH")

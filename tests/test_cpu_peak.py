@@ -3,6 +3,7 @@ a decode token's FLOPs come from the model's own shape."""
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from benchmarks.cpu_peak import decode_flops
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")) or platform.machine() != "x86_64",
+                    reason="the FMA loop is x86-64 (AVX2 or AVX-512) and needs a C compiler")
 def test_the_peak_is_measured_on_each_thread_count_and_bounds_a_models_decode(tmp_path, smollm2_path):
     out = tmp_path / "peak.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.cpu_peak", "--threads", "1", "--iterations", "200000",
