@@ -154,7 +154,7 @@ def as_started(serve_app, timeout_s: float = 240) -> list:
 
     Tests that redeploy the app do not put it back: they run last (tests/conftest.py), and the next one either
     redeploys its own arguments over what it finds or, needing the app as started, calls this, which redeploys it
-    only where it was changed. Two rolling updates a test were most of those tests' time.
+    only where it was changed: each put-back was a rolling update of 20-30 s.
     """
     started = serve_app.started_args
     if serve_app.args != started:
