@@ -4,9 +4,9 @@ A loop of independent 256-bit FMAs (AVX2; 512-bit where the CPU has AVX-512F), 1
 FMA units, not their latency, bound it, compiled here with the system's C compiler and run on each thread count
 (one pinned thread a CPU). The best of `--repeats` is the peak: what no kernel of fp32 FMAs can pass, whatever its
 memory traffic. Beside it the same loop of int16 dot products (`vpmaddwd`, then the int32 add that accumulates
-them: what an int8 or int16 kernel without VNNI runs), in multiply-adds a second, against the FMAs' 2 FLOPs each. A decode token costs 2 FLOPs a weight of the linears and the LM head, plus attention over its
-context; with `--model` it prints the decode tok/s a batch of `--batch` could reach at that peak, every FLOP an FMA
-at full rate.
+them: what an int8 or int16 kernel without VNNI runs), in multiply-adds a second, against the FMAs' 2 FLOPs each.
+A decode token costs 2 FLOPs a weight of the linears and the LM head, plus attention over its context; with
+`--model` it prints the decode tok/s a batch of `--batch` could reach at that peak, every FLOP an FMA at full rate.
 
     python -m benchmarks.cpu_peak --threads 1,2 --model ~/.cache/tokenline/SmolLM2-135M-Instruct.Q4_1.gguf
 """
@@ -148,16 +148,14 @@ def peak_rate(binary: Path, threads: int, iterations: int, repeats: int, int16_d
 
 
 def decode_flops(model: str, context: int) -> tuple[float, str]:
-    """FLOPs of one decode token: 2 a weight of every linear and the LM head, and attention's QK and PV over
-    `context` tokens."""
+    """FLOPs of one decode token (bench_engine's count: 2 a weight of every linear and the LM head, and
+    attention's QK and PV over `context` tokens), and the model's shape in words."""
+    from benchmarks.bench_engine import flops_per_token
     from engine.loader import read_model_args
 
     args = read_model_args(model)
-    d, q_heads, kv_heads, head_dim = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
-    per_layer = d * (q_heads + 2 * kv_heads) * head_dim + q_heads * head_dim * d + 3 * d * args.intermediate_size
-    weights = args.num_layers * per_layer + d * args.vocab_size
-    attention = args.num_layers * q_heads * head_dim * context * 2
-    return 2.0 * (weights + attention), f"{args.num_layers} layers, hidden {d}, vocab {args.vocab_size}"
+    shape = f"{args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}"
+    return flops_per_token(args, context), shape
 
 
 def main() -> None:
