@@ -130,8 +130,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CUDA: decode steps replay CUDA graphs captured per batch bucket; True runs every step eagerly.
     enforce_eager: bool = False
-    # Prepacked bf16 linear weights on CPU: the native kernel (AVX512-BF16, or AVX2 and FMA), else oneDNN's, else
-    # F.linear.
+    # Prepacked linear weights on CPU. bf16: the native kernel (AVX512-BF16, or AVX2 and FMA), else oneDNN's, else
+    # F.linear; fp32: oneDNN's, else F.linear. False: F.linear (torch's own matmul) in every dtype.
     prepack_weights: bool = True
     # CPU, native kernel: steps of at most this many tokens run it; larger ones run oneDNN's prepacked kernel (AMX
     # tiles where the CPU has them: 1.6x the native kernel's tiles at 256 rows on a Xeon with AMX, 6-10x its dot

@@ -138,12 +138,33 @@ def test_native_linear_handles_an_empty_batch():
     assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 40)
 
 
-def test_packing_is_native_on_bf16_cpu_when_built_and_never_for_fp32():
+def test_packing_is_native_on_bf16_cpu_when_built_and_onednn_for_fp32():
     cpu = torch.device("cpu")
-    assert select_linear_packing(cpu, torch.float32) is None  # fp32 stays exact: F.linear
+    assert select_linear_packing(cpu, torch.float32) == ("onednn" if onednn_prepack_available(torch.float32) else None)
+    assert select_linear_packing(cpu, torch.float32, enabled=False) is None  # prepack_weights: false
+    assert select_linear_packing(torch.device("meta"), torch.float32) is None
     assert select_linear_packing(cpu, torch.bfloat16, enabled=False) is None
     expected = "native" if native_linear_available() else select_linear_packing(cpu, torch.bfloat16)
     assert select_linear_packing(cpu, torch.bfloat16) == expected
+
+
+@pytest.mark.skipif(not onednn_prepack_available(torch.float32), reason="oneDNN's prepacked fp32 linear is missing "
+                    "in this torch build: fp32 linears stay on F.linear")
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 257])
+@pytest.mark.parametrize("out_features, in_features", [(96, 576), (577, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_prepacked_on_onednn_matches_f_linear(rows, out_features, in_features, bias):
+    torch.manual_seed(rows + out_features)
+    layer = Linear(in_features, out_features, bias)
+    layer.weight.data = torch.randn(out_features, in_features) * 0.05
+    if bias:
+        layer.bias.data = torch.randn(out_features)
+    expected = F.linear(x := torch.randn(rows, in_features), layer.weight, layer.bias)
+    layer.prepack(select_linear_packing(torch.device("cpu"), torch.float32))
+    assert layer.packing == "onednn"
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # fp32 sums in another order, no rounding
 
 
 def test_every_packing_gives_the_same_layer_output():

@@ -15,25 +15,28 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def onednn_prepack_available() -> bool:
+def onednn_prepack_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Private oneDNN ops that inductor's freezing uses; absent or changed in some torch builds, and without bf16
-    kernels on CPUs with no AVX-512. Probed once a process."""
+    kernels on CPUs with no AVX-512. Probed once a process and dtype."""
     try:
-        w = torch.randn(8, 8, dtype=torch.bfloat16)
+        w = torch.randn(8, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
-        return bool(torch.allclose(out.float(), F.linear(torch.ones(2, 8, dtype=torch.bfloat16), w).float(), atol=1e-2))
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+        return bool(torch.allclose(out.float(), F.linear(torch.ones(2, 8, dtype=dtype), w).float(), atol=1e-2))
     except (AttributeError, RuntimeError) as exc:
-        log.info("oneDNN's prepacked bf16 linear unavailable here (%s)", exc)
+        log.info("oneDNN's prepacked %s linear unavailable here (%s)", dtype, exc)
         return False
 
 
 def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                           quantization: str | None = None) -> str | None:
-    """How bf16 CPU linears are prepacked: `native` (engine.kernels: AVX512-BF16 dot products, ~25% less time than
-    oneDNN at batch 1 and 32 on a Xeon; or AVX2 FMAs on the weights widened to fp32, 4-5x torch's bf16 matmul
+    """How CPU linears are prepacked. bf16: `native` (engine.kernels: AVX512-BF16 dot products, ~25% less time
+    than oneDNN at batch 1 and 32 on a Xeon; or AVX2 FMAs on the weights widened to fp32, 4-5x torch's bf16 matmul
     where the CPU has no bf16 arithmetic), `native-int8` (`quantization: int8`: also int8 weights for decode-sized
-    steps), `onednn`, or None (F.linear)."""
+    steps), `onednn`, or None (F.linear). fp32: `onednn` (oneDNN's prepacked fp32 weights: a decode step's linears
+    in about half the time of F.linear's MKL matmul on an AMD EPYC, which streams small-row steps' weights at a
+    fraction of the memory's rate there), or None (F.linear) where those ops are missing; `prepack_weights: false`
+    keeps F.linear, the arithmetic transformers runs."""
     from engine.kernels import native_int8_available, native_linear_available
     bf16_cpu = enabled and device.type == "cpu" and dtype == torch.bfloat16
     if quantization is not None:
@@ -41,6 +44,8 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
             raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
                              "bfloat16, prepack_weights and a CPU with AVX512-BF16 and AVX512-VNNI")
         return "native-int8"
+    if enabled and device.type == "cpu" and dtype == torch.float32:
+        return "onednn" if onednn_prepack_available(torch.float32) else None
     if not bf16_cpu:
         return None
     if native_linear_available():
