@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import logging
 import queue
 import threading
@@ -28,6 +26,7 @@ import numpy as np
 from engine.backlog import Job
 from engine.config import EngineConfig
 from engine.failures import FailureKind, RequestFailure, leaves_state_unknown
+from engine.huge_pages import release_free_heap
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineOutput, EngineStartup, EngineStats, ModelInfo, SchedulerStats
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -62,22 +61,7 @@ class _Call:
     done: concurrent.futures.Future
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
 HEAP_TRIM_INTERVAL_S = 5.0
-
-
-def release_free_heap() -> None:
-    """glibc keeps freed memory in its arenas; after a burst of requests of varied shapes that is hundreds of MB
-    of RSS the process no longer uses (measured: 1.6 GB back to 1.2 GB per SmolLM2 replica after 600 requests)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class EngineDeadError(RuntimeError):

@@ -33,6 +33,25 @@ MIN_FILL = 0.5
 COLLAPSE_TRIES = 5
 
 
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_free_heap() -> None:
+    """glibc keeps freed memory in its arenas (most tensors of a small model are below its mmap threshold) until
+    asked to hand it back: after a burst of requests of varied shapes that is hundreds of MB of RSS the process no
+    longer uses (measured: 1.6 GB back to 1.2 GB per SmolLM2 replica after 600 requests), after loading the plain
+    weights that packed copies replaced."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 @dataclass
 class HugePageReport:
     frames: int = 0  # 2 MiB frames the tensors fill (MIN_FILL or more)

@@ -13,7 +13,7 @@ from engine.attention import CpuAttention, select_backend
 from engine.config import EngineConfig, ModelArgs
 from engine.cuda_graphs import CudaGraphRunner
 from engine.host_copies import to_device
-from engine.huge_pages import BackgroundCollapse, module_tensors
+from engine.huge_pages import BackgroundCollapse, module_tensors, release_free_heap
 from engine.loader import CheckpointTensor
 from engine.models.layers import default_native_max_rows, onednn_prepack_available, select_linear_packing
 from engine.models.llama import LlamaForCausalLM
@@ -75,6 +75,10 @@ class ModelShard:
                 self.native_max_rows = None
         if backend.name == "cpu":
             self.model.use_native_layers()
+        if self.linear_packing:  # the packed copies stand in for the plain weights from here on
+            log.info("plain linear weights superseded by packed ones: %d MiB let go",
+                     self.model.drop_plain_weights() >> 20)
+            release_free_heap()
         if group is not None:
             group.connect(check_peers)
         self.graph_runner: CudaGraphRunner | None = None

@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.huge_pages import release_free_heap
+
 log = logging.getLogger(__name__)
 
 PREFIX = "tokenline-weights-"
@@ -277,15 +279,6 @@ def _map(fd: int, entries: list[dict]) -> list[torch.Tensor]:
     return views
 
 
-def _trim_heap() -> None:
-    """Hands the private copies' memory back to the system: glibc keeps freed blocks of its heap (most packed
-    tensors are below its mmap threshold) until asked."""
-    try:
-        _libc().malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def share_packed_weights(model: nn.Module, directory: str | Path) -> tuple[SharedWeights | None, ShareReport]:
     """Moves the model's natively packed linear weights onto the node's shared copy (writing it where this is the
     first engine of the model on the node). Returns the handle to keep (None where they stayed private) and a
@@ -325,6 +318,6 @@ def share_packed_weights(model: nn.Module, directory: str | Path) -> tuple[Share
     for (name, field, _), view in zip(tensors, views):
         setattr(modules[name], field, view)
     del tensors
-    _trim_heap()
+    release_free_heap()  # the private copies' memory back to the system
     report.seconds = time.perf_counter() - start
     return SharedWeights(fd, path, report), report

@@ -299,3 +299,42 @@ def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path)
     # Measured on the 16 prompts of benchmarks.quant_accuracy: 95.9%, mean logprob -0.665 against bf16's -0.659.
     assert int8.greedy_agreement >= 0.85
     assert int8.mean_logprob >= bf16.mean_logprob - 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_packed_layer_lets_its_plain_weight_go_and_answers_the_same(dtype):
+    packing = select_linear_packing(torch.device("cpu"), dtype)
+    if packing is None:
+        pytest.skip(f"no prepacked {dtype} linear on this CPU or torch build: the layer keeps its plain weight")
+    layer = linear(576, 96, True, None)
+    layer.weight.data, layer.bias.data = layer.weight.data.to(dtype), layer.bias.data.to(dtype)
+    layer.prepack(packing)
+    x = torch.randn(5, 576).to(dtype)
+    before = layer(x)
+    assert layer.drop_plain_weight() == 96 * 576 * dtype.itemsize
+    assert layer.weight.is_meta and layer.weight.shape == (96, 576) and layer.weight.dtype == dtype
+    assert torch.equal(layer(x), before)
+    assert layer.drop_plain_weight() == 0
+    with pytest.raises(RuntimeError, match="let go after packing"):
+        layer.prepack(packing)
+    unpacked = linear(64, 8, False, None)
+    assert unpacked.drop_plain_weight() == 0 and not unpacked.weight.is_meta  # F.linear reads it
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_engine_holds_no_plain_weight_a_packed_copy_replaces_but_the_tied_embeddings(tmp_path, tied):
+    from engine import LLMEngine, SamplingParams
+    from tests.tiny_models import write_tiny_model
+
+    if select_linear_packing(torch.device("cpu"), torch.bfloat16) is None:
+        pytest.skip("no prepacked bf16 linear on this CPU or torch build")
+    write_tiny_model(tmp_path, "llama", hidden_size=128, intermediate_size=256, tie_word_embeddings=tied)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=32))
+    model = engine.runner.model
+    linears = [lin for layer in model.layers for lin in layer.linears()]
+    assert linears and all(lin.packed is not None and lin.weight.is_meta for lin in linears)
+    assert model.lm_head.weight.is_meta is not tied
+    assert (model.lm_head.weight is model.embed_tokens.weight) is tied
+    assert not model.embed_tokens.weight.is_meta and not model.norm.weight.is_meta
+    [tokens] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(tokens) == 6

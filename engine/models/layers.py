@@ -126,6 +126,9 @@ class Linear(nn.Module):
 
     def prepack(self, packing: str | None = "onednn") -> None:
         """`native`, `native-int8` or `onednn`; None: unpacked (F.linear)."""
+        if self.weight.is_meta:
+            raise RuntimeError("this layer's plain weight was let go after packing (drop_plain_weight): pack it "
+                               "another way from a freshly loaded model")
         if packing and packing.startswith("native") and self.weight.shape[1] % 2:  # the kernel reads x in pairs
             # oneDNN's prepack, or F.linear on a CPU without oneDNN's bf16 kernels
             packing = "onednn" if onednn_prepack_available() else None
@@ -140,6 +143,16 @@ class Linear(nn.Module):
             self.packed = None
         self.packing = packing
         self.native_max_rows = self.packed_onednn = None
+
+    def drop_plain_weight(self) -> int:
+        """Once packed, no step reads `weight`: lets its memory go, leaving a tensor of its shape and dtype on the
+        meta device (what reads the layer's shape still can; what would compute with it fails loudly). Returns the
+        bytes let go; 0 where the layer is not packed."""
+        if self.packed is None or self.weight.is_meta:
+            return 0
+        freed = self.weight.nbytes
+        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        return freed
 
     def use_onednn_above(self, rows: int) -> None:
         """Natively packed: steps of more than `rows` rows run oneDNN's prepacked kernel (AMX where the CPU has it)."""
