@@ -60,6 +60,9 @@ def child(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             engine.step()
             times.append((time.perf_counter() - start) * 1000)
+        if not times:
+            raise SystemExit(f"batch {batch}: its prefills ran past its timed window on this machine; give them "
+                             f"more time with --gap-s (now {args.gap_s:g})")
         result["step_ms"][str(batch)] = statistics.median(times)
         for rid in ids:
             engine.abort(rid)
