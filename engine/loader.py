@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelArgs
+from engine.gguf_file import GGUFFile, GGUFTensor
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,8 @@ def as_checkpoint(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, Chec
     return iter(weights)
 
 
-def read_model_args(path: str | Path, gguf_reader: Any = None) -> ModelArgs:
-    """`gguf_reader`: a GGUFReader of `path` already built (parsing a GGUF file's metadata, its vocabulary's
-    strings above all, takes seconds: 9 s for SmolLM2's on the EPYC)."""
+def read_model_args(path: str | Path, gguf_reader: GGUFFile | None = None) -> ModelArgs:
+    """`gguf_reader`: `path`'s GGUF header, already read."""
     path = check_model_source(path)
     if is_gguf(path):
         cached = _dequantized_path(path)
@@ -107,7 +107,7 @@ def read_model_args(path: str | Path, gguf_reader: Any = None) -> ModelArgs:
     return ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
 
 
-def iter_checkpoint(path: str | Path, args: ModelArgs, gguf_reader: Any = None
+def iter_checkpoint(path: str | Path, args: ModelArgs, gguf_reader: GGUFFile | None = None
                     ) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor of the checkpoint, named as transformers names them, read lazily (CheckpointTensor)."""
     path = check_model_source(path)
@@ -140,7 +140,7 @@ def open_checkpoint(path: str | Path) -> tuple[ModelArgs, Iterator[tuple[str, Ch
     path = check_model_source(path)
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
     log.info("loading the model from %s (%.0f MB)", path, size / 2**20)
-    # A GGUF file without its dequantized copy: its metadata parsed once, for the arguments and the tensors.
+    # A GGUF file without its dequantized copy: its header read once, for the arguments and the tensors.
     reader = _gguf_reader(path) if is_gguf(path) and not _dequantized_path(path).exists() else None
     args = read_model_args(path, reader)
 
@@ -161,14 +161,11 @@ def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tens
     return args, {name: tensor.read() for name, tensor in tensors}
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def _gguf_args(reader: Any) -> ModelArgs:
+def _gguf_args(reader: GGUFFile) -> ModelArgs:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported")
@@ -195,12 +192,11 @@ def _gguf_args(reader: Any) -> ModelArgs:
     )
 
 
-def _gguf_reader(path: Path) -> Any:
-    from gguf import GGUFReader
-    return GGUFReader(str(path))
+def _gguf_reader(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _gguf_tensors(path: Path, args: ModelArgs, reader: Any = None) -> Iterator[tuple[str, CheckpointTensor]]:
+def _gguf_tensors(path: Path, args: ModelArgs, reader: GGUFFile | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
     """The GGUF file's tensors, dequantized when read; once every one was read whole (one device), they are kept
     dequantized for the next start (a rank that reads slices keeps nothing: it never holds the whole model)."""
     reader = reader or _gguf_reader(path)
@@ -216,7 +212,7 @@ def _gguf_tensors(path: Path, args: ModelArgs, reader: Any = None) -> Iterator[t
         _save_dequantized(args, whole, _dequantized_path(path))
 
 
-def _gguf_tensor(tensor: Any, heads: int | None, name: str, whole: dict[str, torch.Tensor]) -> CheckpointTensor:
+def _gguf_tensor(tensor: GGUFTensor, heads: int | None, name: str, whole: dict[str, torch.Tensor]) -> CheckpointTensor:
     from gguf import dequantize
 
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dimensions innermost first
