@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +27,38 @@ APP_NAME = "tokenline"
 REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#EngineReplica#"
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct free ports below the ephemeral range (all held open until every one is chosen). A port the system
+    picks for a bind to port 0 is in that range, and once let go, the next outgoing connection of any process (Ray's
+    processes connect to each other while a node starts) may take it as its local port before the server told to
+    listen on it binds it: "Address already in use". Below the range only a bind can take it."""
+    low = ephemeral_port_range()[0]
+    candidates = random.Random(os.getpid() ^ time.monotonic_ns()).sample(range(max(1024, low - 12000), low), 400)
+    with ExitStack() as stack:
+        held = []
+        for port in candidates:
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            held.append(port)
+            if len(held) == count:
+                return held
+    raise RuntimeError(f"fewer than {count} free ports below {low} on {host}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 @dataclass

@@ -16,13 +16,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import pytest
 import yaml
 
 from deployments.config import AppArgs
+from deployments.local import free_ports
 from deployments.node_layout import nodes_config
 
 pytestmark = pytest.mark.slow
@@ -41,15 +40,6 @@ NODE_LABEL = "tokenline.io/node"
 START_TIMEOUT_S = 90.0
 DEPLOY_TIMEOUT_S = 240.0
 PR_SET_PDEATHSIG = 1
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open until every one is chosen)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def end_with_parent() -> None:
