@@ -4,7 +4,8 @@ The `gguf` package's GGUFReader builds a numpy view for every part of every meta
 and merges are ~100,000 strings, ~500,000 views, 3.9-4.4 s on the EPYC before the first tensor is read. This reads
 the same header with `struct` (0.11-0.16 s) and hands out each tensor's bytes as GGUFReader does (a read-only numpy
 array over the map: typed for float and integer tensors, [rows, bytes a row] of uint8 for quantized ones), so
-`gguf.dequantize` reads them as before. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3).
+`gguf.dequantize` reads them as before. Versions 2 and 3 of the format:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 from __future__ import annotations
 

@@ -196,7 +196,8 @@ def _gguf_reader(path: Path) -> GGUFFile:
     return GGUFFile(path)
 
 
-def _gguf_tensors(path: Path, args: ModelArgs, reader: GGUFFile | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
+def _gguf_tensors(path: Path, args: ModelArgs, reader: GGUFFile | None = None
+                  ) -> Iterator[tuple[str, CheckpointTensor]]:
     """The GGUF file's tensors, dequantized when read; once every one was read whole (one device), they are kept
     dequantized for the next start (a rank that reads slices keeps nothing: it never holds the whole model)."""
     reader = reader or _gguf_reader(path)

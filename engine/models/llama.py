@@ -264,7 +264,8 @@ class LlamaForCausalLM(nn.Module):
         """Lets go of every packed linear's plain weight (Linear.drop_plain_weight), but for one that another module
         reads too (the LM head tied to the embeddings). Returns the bytes let go."""
         shared = {id(p) for m in self.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
-        return sum(m.drop_plain_weight() for m in self.modules() if isinstance(m, Linear) and id(m.weight) not in shared)
+        return sum(m.drop_plain_weight() for m in self.modules()
+                   if isinstance(m, Linear) and id(m.weight) not in shared)
 
     def prepack_linears(self, packing: str) -> int:
         count = 0
