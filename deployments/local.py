@@ -42,7 +42,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     processes connect to each other while a node starts) may take it as its local port before the server told to
     listen on it binds it: "Address already in use". Below the range only a bind can take it."""
     low = ephemeral_port_range()[0]
-    candidates = random.Random(os.getpid() ^ time.monotonic_ns()).sample(range(max(1024, low - 12000), low), 400)
+    candidates = random.SystemRandom().sample(range(max(1024, low - 12000), low), 400)
     with ExitStack() as stack:
         held = []
         for port in candidates:

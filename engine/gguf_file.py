@@ -58,8 +58,9 @@ class GGUFFile:
                   self._unpack("<Q")) for _ in range(num_tensors)]
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(name, dims, raw_type, data_start + offset)
-                        for name, dims, raw_type, offset in table]
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        self.tensors = [self._tensor(name, dims, GGMLQuantizationType(raw_type), GGML_QUANT_SIZES,
+                                     data_start + offset) for name, dims, raw_type, offset in table]
 
     def _take(self, n: int) -> bytes:
         out = self._map[self._pos:self._pos + n]
@@ -96,15 +97,12 @@ class GGUFFile:
             raise ValueError(f"unknown GGUF value type {kind}")
         return self._unpack(SCALARS[kind][0])
 
-    def _tensor(self, name: str, dims: list[int], raw_type: int, offset: int) -> GGUFTensor:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        ggml_type = GGMLQuantizationType(raw_type)
+    def _tensor(self, name: str, dims: list[int], ggml_type: Any, quant_sizes: dict, offset: int) -> GGUFTensor:
         shape = tuple(reversed(dims))  # numpy order: outermost first
-        if raw_type in PLAIN_TENSORS:
-            dtype, count = PLAIN_TENSORS[raw_type], int(np.prod(shape))
+        if ggml_type in PLAIN_TENSORS:
+            dtype, count = PLAIN_TENSORS[ggml_type], int(np.prod(shape))
         else:
-            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            block_size, type_size = quant_sizes[ggml_type]
             shape = (*shape[:-1], shape[-1] // block_size * type_size)
             dtype, count = np.uint8, int(np.prod(shape))
         if offset + count * np.dtype(dtype).itemsize > len(self._map):

@@ -102,7 +102,7 @@ def read_model_args(path: str | Path, gguf_reader: GGUFFile | None = None) -> Mo
         cached = _dequantized_path(path)
         if cached.exists():
             return _dequantized_args(cached)
-        return _gguf_args(gguf_reader or _gguf_reader(path))
+        return _gguf_args(gguf_reader or GGUFFile(path))
     from transformers import AutoConfig
     return ModelArgs.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
 
@@ -141,7 +141,7 @@ def open_checkpoint(path: str | Path) -> tuple[ModelArgs, Iterator[tuple[str, Ch
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
     log.info("loading the model from %s (%.0f MB)", path, size / 2**20)
     # A GGUF file without its dequantized copy: its header read once, for the arguments and the tensors.
-    reader = _gguf_reader(path) if is_gguf(path) and not _dequantized_path(path).exists() else None
+    reader = GGUFFile(path) if is_gguf(path) and not _dequantized_path(path).exists() else None
     args = read_model_args(path, reader)
 
     def logged() -> Iterator[tuple[str, CheckpointTensor]]:
@@ -161,25 +161,21 @@ def load_model_source(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tens
     return args, {name: tensor.read() for name, tensor in tensors}
 
 
-def _gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.fields.get(key, default)
-
-
 def _gguf_args(reader: GGUFFile) -> ModelArgs:
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported")
-    f = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    f = lambda key, default=None: reader.fields.get(f"{arch}.{key}", default)  # noqa: E731
     hidden, num_heads = f("embedding_length"), f("attention.head_count")
     num_kv_heads = f("attention.head_count_kv", num_heads)
     tensors = {t.name: t for t in reader.tensors}
     vocab = f("vocab_size") or int(tensors["token_embd.weight"].shape[-1])
     head_dim = f("attention.key_length") or hidden // num_heads
     rope_scaling = None
-    if _gguf_field(reader, f"{arch}.rope.scaling.type") in ("linear", "yarn"):
+    if reader.fields.get(f"{arch}.rope.scaling.type") in ("linear", "yarn"):
         rope_scaling = {"rope_type": f("rope.scaling.type"), "factor": f("rope.scaling.factor"),
                         "original_max_position_embeddings": f("rope.scaling.original_context_length")}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     return ModelArgs(
         architecture="llama" if arch == "mistral" else arch, vocab_size=int(vocab), hidden_size=int(hidden),
         intermediate_size=int(f("feed_forward_length")), num_layers=int(f("block_count")),
@@ -187,21 +183,17 @@ def _gguf_args(reader: GGUFFile) -> ModelArgs:
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")), rope_theta=float(f("rope.freq_base", 10000.0)),
         max_position_embeddings=int(f("context_length")), tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        rope_scaling=rope_scaling, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        rope_scaling=rope_scaling, bos_token_id=reader.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
-
-
-def _gguf_reader(path: Path) -> GGUFFile:
-    return GGUFFile(path)
 
 
 def _gguf_tensors(path: Path, args: ModelArgs, reader: GGUFFile | None = None
                   ) -> Iterator[tuple[str, CheckpointTensor]]:
     """The GGUF file's tensors, dequantized when read; once every one was read whole (one device), they are kept
     dequantized for the next start (a rank that reads slices keeps nothing: it never holds the whole model)."""
-    reader = reader or _gguf_reader(path)
-    arch = _gguf_field(reader, "general.architecture")
+    reader = reader or GGUFFile(path)
+    arch = reader.fields.get("general.architecture")
     whole: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         heads = None
