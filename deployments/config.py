@@ -54,9 +54,9 @@ _BORDER_FIELDS: dict[str, dict[str, Any]] = {
     "huge_pages": dict(description="CPU: weights and KV cache rebuilt on 2 MiB transparent huge pages after "
                                    "loading, where the kernel allows it (Linux 6.1+)"),
     "num_threads": dict(description="torch threads; default: the CPUs the replica was given"),
-    "quantization": dict(description="CPU: int8 weights beside the bf16 ones for steps of up to 8 rows (half the "
-                                     "bytes per decode step at low concurrency, an accuracy cost: README); unset: "
-                                     "bf16 weights only"),
+    "quantization": dict(description="CPU: int8 weights beside the bf16 ones for steps of up to 8 rows with "
+                                     "AVX512-VNNI, 32 with AVX2 (half the bytes per decode step, an accuracy cost: "
+                                     "README); unset: bf16 weights only"),
     "prefill_threads": dict(ge=1, description="CPU: torch threads for a step with a long prefill while the "
                                               "process's other CPUs sit idle (None: num_threads always)"),
     "max_tokens_with_decodes": dict(ge=1, description="token budget of a step that carries decodes (None: "

@@ -145,8 +145,9 @@ class EngineConfig:
     # every row alone, as a decode is, so that a row's bits do not depend on how its prompt was chunked or read
     # from the prefix cache (with native_linear_max_rows >= max_num_batched_tokens: batch-invariant bf16 answers).
     attention_query_tiles: bool = True
-    # CPU: "int8" also holds the linears' weights as int8 (one scale per output row) for steps of up to 8 rows: half
-    # the bytes a decode step at low concurrency reads, at an accuracy cost (README). None: bf16 weights only.
+    # CPU: "int8" also holds the linears' weights as int8 (one scale per output row) for steps of up to 8 rows
+    # (AVX512-VNNI) or 32 (AVX2): half the bytes a decode step reads, at an accuracy cost (README). None: bf16
+    # weights only.
     quantization: str | None = None
     # CPU: after loading, the weights' and KV cache's memory is rebuilt on 2 MiB transparent huge pages where the
     # kernel allows it (engine.huge_pages; Linux 6.1+, THP not "never"): fewer page-table walks a step.

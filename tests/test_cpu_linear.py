@@ -8,9 +8,8 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu_has_amx, native_int8_available, native_linear_amx, native_linear_available
 from engine.config import EngineConfig
-from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, INT8_MAX_ROWS, Linear,
-                                  default_native_max_rows, onednn_prepack_available, quantize_int8,
-                                  select_linear_packing)
+from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, Linear, default_native_max_rows,
+                                  int8_max_rows, onednn_prepack_available, quantize_int8, select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
                                   reason="this CPU has neither AVX512-BF16 nor AVX2 with FMA (or no C++ "
@@ -179,7 +178,8 @@ def test_every_packing_gives_the_same_layer_output():
 
 
 needs_int8 = pytest.mark.skipif(not native_int8_available(),
-                                reason="int8 weights run on AVX512-VNNI, which this CPU lacks (or no C++ toolchain)")
+                                reason="int8 weights run on AVX512-VNNI or AVX2, which this CPU lacks (or no C++ "
+                                       "toolchain)")
 needs_both = pytest.mark.skipif(not (native_linear_available() and onednn_prepack_available()),
                                 reason="needs the native linear and oneDNN's prepacked one")
 
@@ -190,7 +190,7 @@ def test_steps_past_the_native_rows_run_onednn_and_the_rest_stay_native(int8):
     packing = "native-int8" if int8 else "native"
     split, native, onednn = (linear(576, 96, True, p) for p in (packing, packing, "onednn"))
     split.use_onednn_above(4)
-    assert split.native_max_rows == (INT8_MAX_ROWS if int8 else 4)  # int8 weights keep the steps they serve
+    assert split.native_max_rows == (int8_max_rows() if int8 else 4)  # int8 weights keep the steps they serve
     for rows in (1, 4, 5, 8, 9, 64):
         x = torch.randn(2, rows, 576).to(torch.bfloat16)  # leading dims: rows counted over all of them
         for dtype in (None, torch.float32):
@@ -230,7 +230,7 @@ def test_int8_weights_are_within_half_a_step_of_the_bf16_ones():
 
 @needs_int8
 @pytest.mark.parametrize("rows", [1, 2, 6, 8, 9, 13])  # whole and partial tiles of 6 rows
-@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (577, 1536)])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (50, 576), (577, 1536), (40, 4098)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_kernel_matches_its_dequantized_weights(rows, out_features, in_features, bias):
     layer = linear(in_features, out_features, bias, None)
@@ -251,21 +251,35 @@ def test_int8_layer_uses_int8_weights_for_decode_sized_steps_and_bf16_beyond():
     layer = linear(576, 96, True, "native-int8")
     bf16 = linear(576, 96, True, "native")
     assert layer.packing == "native-int8" and layer.packed_int8.dtype == torch.int8
-    x = torch.randn(9, 576).to(torch.bfloat16)
+    most = int8_max_rows()
+    x = torch.randn(most + 1, 576).to(torch.bfloat16)
     int8_rows = dequantized(layer.packed_int8, layer.scales, 96)
-    expected = F.linear(x[:8].float(), int8_rows, layer.bias.float())
-    decode = layer(x[:8], out_dtype=torch.float32)
+    expected = F.linear(x[:most].float(), int8_rows, layer.bias.float())
+    decode = layer(x[:most], out_dtype=torch.float32)
     torch.testing.assert_close(decode, expected, atol=2e-3 * float(expected.abs().max()), rtol=1e-3)
-    assert not torch.equal(decode, bf16(x[:8], out_dtype=torch.float32))
-    assert torch.equal(layer(x, out_dtype=torch.float32), bf16(x, out_dtype=torch.float32))  # 9 rows: bf16
+    assert not torch.equal(decode, bf16(x[:most], out_dtype=torch.float32))
+    assert torch.equal(layer(x, out_dtype=torch.float32), bf16(x, out_dtype=torch.float32))  # one row more: bf16
+
+
+def test_int8_steps_go_as_far_as_the_instruction_set_makes_them_pay():
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    if not native_int8_available():
+        assert int8_max_rows() == 0
+    elif {"avx512_bf16", "avx512_vnni"} <= set(flags):
+        assert int8_max_rows() == 8  # vpdpwssd at half vdpbf16ps's rate
+    else:
+        assert {"avx2", "fma"} <= set(flags) and int8_max_rows() == 32  # vpmaddwd against fp32 FMAs
 
 
 @needs_int8
-def test_int8_rows_do_not_depend_on_their_neighbours():
-    layer = linear(576, 96, True, "native-int8")
-    x = torch.randn(8, 576).to(torch.bfloat16)
+@pytest.mark.parametrize("in_features", [576, 4098])  # one chunk of int32 sums; three, the last a single k pair
+def test_int8_rows_do_not_depend_on_their_neighbours(in_features):
+    layer = linear(in_features, 96, True, "native-int8")
+    rows = min(int8_max_rows(), 13)  # every tile shape of the kernels, whole and partial
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
     together = layer(x, out_dtype=torch.float32)
-    for i in range(8):
+    for i in range(rows):
         assert torch.equal(layer(x[i:i + 1], out_dtype=torch.float32)[0], together[i])
 
 
@@ -283,10 +297,11 @@ def test_int8_needs_the_native_kernel_on_bf16_cpu():
     assert AppArgs(engine={"quantization": "int8"}).engine_config().quantization == "int8"
     with pytest.raises(ValidationError, match="int8"):
         AppArgs(engine={"quantization": "int4"})
+    assert native_int8_available() == native_linear_available()  # AVX512-VNNI or AVX2: both kernels or neither
     if native_int8_available():
         assert select_linear_packing(cpu, torch.bfloat16, quantization="int8") == "native-int8"
-    elif native_linear_available():  # bf16 linears native (AVX2), int8 not: an error, not a silent bf16 engine
-        with pytest.raises(ValueError, match="AVX512-VNNI"):
+    else:  # no native kernels here: an error, not a silent bf16 engine
+        with pytest.raises(ValueError, match="AVX2"):
             select_linear_packing(cpu, torch.bfloat16, quantization="int8")
 
 
@@ -295,7 +310,8 @@ def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path)
     from benchmarks.quant_accuracy import PROMPTS, chat_prompts, compare
     prompts = chat_prompts(str(smollm2_path), PROMPTS[:4])
     bf16, int8 = compare(str(smollm2_path), prompts, max_tokens=32)
-    assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32 and int8.step_tokens == 8
+    assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32
+    assert int8.step_tokens == int8_max_rows()
     # Measured on the 16 prompts of benchmarks.quant_accuracy: 95.9%, mean logprob -0.665 against bf16's -0.659.
     assert int8.greedy_agreement >= 0.85
     assert int8.mean_logprob >= bf16.mean_logprob - 0.05

@@ -156,7 +156,7 @@ def test_weights_stay_private_where_the_directory_cannot_hold_them(model, tmp_pa
         assert bad.exists()
 
 
-@pytest.mark.skipif(not native_int8_available(), reason="int8 weights need AVX512-VNNI")
+@pytest.mark.skipif(not native_int8_available(), reason="int8 weights need AVX512-VNNI or AVX2")
 def test_int8_weights_are_shared_too(model, tmp_path):
     own = LLMEngine(config(model, None, quantization="int8"))
     first, second = (LLMEngine(config(model, tmp_path, quantization="int8")) for _ in range(2))

@@ -133,8 +133,16 @@ def native_linear_available() -> bool:
 
 
 def native_int8_available() -> bool:
-    """int8 weights (`quantization: int8`) run on AVX512-VNNI's int16 dot products."""
+    """int8 weights (`quantization: int8`) run on AVX512-VNNI's int16 dot products, or on AVX2's (vpmaddwd)."""
     return cpu_kernels_available() and bool(torch.ops.tokenline.packed_linear_int8_supported())
+
+
+@functools.cache
+def native_int8_max_rows() -> int:
+    """Steps of up to this many rows run on the int8 weights where a layer has them, larger steps on its bf16 ones:
+    where the int8 kernel is ahead on this build's instruction set (8 with AVX512-VNNI, 32 with AVX2); 0 where
+    there is no int8 kernel."""
+    return int(torch.ops.tokenline.packed_linear_int8_max_rows()) if native_int8_available() else 0
 
 
 def native_linear_amx() -> bool:

@@ -9,7 +9,8 @@
 // int8 weights (one fp32 scale per output row) use the same layout at one byte a weight: half the bytes a decode
 // step streams. x is quantized per row to int16 (13 bits) and VNNI's vpdpwssd adds two int16 products per lane
 // exactly as the weights stream in, so a row's result does not depend on its neighbours. vpdpwssd runs at half
-// vdpbf16ps's rate here: from about 12 rows the bf16 kernel is faster (engine.models.layers picks).
+// vdpbf16ps's rate here: from about 12 rows the bf16 kernel is faster (packed_linear_int8_max_rows). CPUs with AVX2
+// but no AVX-512 run the same arithmetic with vpmaddwd (below).
 #include <ATen/Functions.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
@@ -42,6 +43,12 @@
 namespace {
 
 constexpr int64_t kBlock = 16;  // outputs per packed block (one zmm of fp32)
+
+// int8 weights: x quantized per row to int16 of magnitude up to kXMax, two int16 products added to an int32 lane a
+// k pair, exactly; sums of kInt16ChunkPairs k pairs cannot overflow (1024 * 2 * 127 * 8191 < 2^31), and each
+// chunk's sums are added in fp32, in order, whatever the instruction set.
+constexpr float kXMax = 8191.0f;
+constexpr int64_t kInt16ChunkPairs = 1024;
 
 // [N, K] row-major -> [ceil(N/16), K/2, 16, 2]; rows past N are zero.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -116,11 +123,10 @@ struct Bf16Dot {
 };
 
 // vpdpwssd: two int16 products added to each int32 lane, exactly; weights |q| <= 127 and x |q| <= kXMax, so a
-// chunk of kChunkPairs pairs cannot overflow (1024 * 2 * 127 * 8191 < 2^31).
-constexpr float kXMax = 8191.0f;
+// chunk of kInt16ChunkPairs pairs cannot overflow.
 struct Int16Dot {
   using acc_t = __m512i;
-  static constexpr int64_t kChunkPairs = 1024;
+  static constexpr int64_t kChunkPairs = kInt16ChunkPairs;
   static acc_t zero() { return _mm512_setzero_si512(); }
   static acc_t dot(acc_t a, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(a, w, x); }
   static __m512 to_float(acc_t a) { return _mm512_cvtepi32_ps(a); }
@@ -882,6 +888,167 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
     }
   });
 }
+
+// int8 weights on AVX2: the VNNI kernel's integer arithmetic with vpmaddwd (two int16 products added to each int32
+// lane, exactly) and vpaddd. x is quantized per row to int16 as there; each k pair's 16 outputs (32 bytes) are
+// sign-extended to int16 as they stream in, half the bytes of bf16's, which is what a decode step at a few rows
+// waits for. The sums are finished as the VNNI kernel finishes them (each chunk's int32 sums converted and added in
+// order, then one FMA: sums * (scale * x_scale) + bias), so a row's result does not depend on its neighbours.
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// Each row of x (bf16) as int16, scaled so that its largest |value| becomes kXMax; its scale goes to scales.
+void quantize_rows_avx2(const at::Tensor& x, int16_t* q, float* scales) {
+  const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  tokenline::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xp + r * stride;
+      int16_t* dst = q + r * k;
+      __m256 top = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(widen8_bf16(row + i), magnitude));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top);
+      float amax = 0.0f;
+      for (float v : lanes) amax = std::max(amax, v);
+      for (; i < k; ++i) amax = std::max(amax, std::fabs(bf16_bits_to_float(row[i])));
+      const float scale = amax > 0 ? amax / kXMax : 1.0f;
+      const float inv_scale = 1.0f / scale;
+      const __m256 inv = _mm256_set1_ps(inv_scale);
+      scales[r] = scale;
+      for (i = 0; i + 8 <= k; i += 8) {  // rounds to nearest; saturates
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(widen8_bf16(row + i), inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+      }
+      for (; i < k; ++i) dst[i] = static_cast<int16_t>(std::nearbyint(bf16_bits_to_float(row[i]) * inv_scale));
+    }
+  });
+}
+
+// Row i's 8 outputs of a tile: sums * (scale * x_scale) + bias, the first `valid` of them, none where valid <= 0.
+template <typename out_t>
+__attribute__((noinline)) void avx2_store_scaled(__m256 sums, const float* scale, float x_scale, const float* bias,
+                                                 out_t* out, int64_t valid) {
+  if (valid <= 0) return;
+  const int64_t n = std::min<int64_t>(8, valid);
+  alignas(32) float s[8] = {}, b[8] = {};
+  std::memcpy(s, scale, n * sizeof(float));
+  if (bias) std::memcpy(b, bias, n * sizeof(float));
+  const __m256 si = _mm256_mul_ps(_mm256_load_ps(s), _mm256_set1_ps(x_scale));
+  avx2_store(out, _mm256_fmadd_ps(sums, si, _mm256_load_ps(b)), n);
+}
+
+// Bytes ahead of each weight stream that a tile asks into L1 (8 k pairs of 16 outputs later): at one row,
+// 0.57-0.60x bf16's time against 0.67x without.
+constexpr int64_t kInt8Ahead = 512;
+
+// One chunk of k pairs [c0, c1) of MR rows of int16 x (k pairs as 32-bit words, `x_stride` words apart) times NB
+// blocks of 16 int8 outputs: MR * NB * 2 int32 sums of 8 outputs in registers, then converted and stored into
+// `total` (first chunk) or added to it. A function of its own: inlined, GCC kept the totals in registers across
+// the loop too and, short of them, one sum in memory, stored and reloaded every k pair (a third of the rate).
+template <int MR, int NB>
+__attribute__((noinline)) void avx2_int8_chunk(const uint32_t* x, int64_t x_stride, const int8_t* w,
+                                               int64_t block_bytes, int64_t c0, int64_t c1, float* total) {
+  static_assert(MR * NB <= 4, "at most 8 int32 sums");
+  __m256i acc[MR][NB][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_si256();
+  for (int64_t p = c0; p < c1; ++p) {
+    __m256i xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm256_set1_epi32(static_cast<int>(x[i * x_stride + p]));
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wj = w + j * block_bytes + p * 2 * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(wj) + kInt8Ahead, _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16 * h)));
+        for (int i = 0; i < MR; ++i) acc[i][j][h] = _mm256_add_epi32(acc[i][j][h], _mm256_madd_epi16(wv, xv[i]));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        float* t = total + ((i * NB + j) * 2 + h) * 8;
+        const __m256 sums = _mm256_cvtepi32_ps(acc[i][j][h]);
+        _mm256_store_ps(t, c0 == 0 ? sums : _mm256_add_ps(_mm256_load_ps(t), sums));
+      }
+}
+
+// MR rows times NB blocks over the whole K, in chunks whose int32 sums cannot overflow; then the outputs.
+template <int MR, int NB, typename out_t>
+inline void avx2_int8_tile(const uint32_t* x, int64_t x_stride, const float* x_scale, const int8_t* w,
+                           int64_t block_bytes, int64_t pairs, const float* scale, const float* bias, out_t* out,
+                           int64_t o_stride, int64_t n_valid) {
+  alignas(32) float total[MR * NB * 2 * 8];
+  for (int64_t c0 = 0; c0 < pairs; c0 += kInt16ChunkPairs)
+    avx2_int8_chunk<MR, NB>(x, x_stride, w, block_bytes, c0, c0 + std::min<int64_t>(kInt16ChunkPairs, pairs - c0),
+                            total);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = j * kBlock + 8 * h;
+        avx2_store_scaled(_mm256_load_ps(total + ((i * NB + j) * 2 + h) * 8), scale + at, x_scale[i],
+                          bias ? bias + at : nullptr, out + i * o_stride + at, n_valid - at);
+      }
+}
+
+// Up to 3 rows against one block, or 1 row against up to 2: shapes whose sums GCC keeps in registers (at 4 x 1 and
+// 2 x 2 it kept one in memory).
+template <typename out_t>
+void avx2_int8_rows_times_blocks(int64_t mr, int64_t nb, const uint32_t* x, int64_t x_stride, const float* x_scale,
+                                 const int8_t* w, int64_t block_bytes, int64_t pairs, const float* scale,
+                                 const float* bias, out_t* out, int64_t o_stride, int64_t n_valid) {
+#define TOKENLINE_INT8_TILE(MR, NB) \
+  return avx2_int8_tile<MR, NB>(x, x_stride, x_scale, w, block_bytes, pairs, scale, bias, out, o_stride, n_valid)
+  switch (mr) {
+    case 1: if (nb >= 2) TOKENLINE_INT8_TILE(1, 2); TOKENLINE_INT8_TILE(1, 1);
+    case 2: TOKENLINE_INT8_TILE(2, 1);
+    default: TOKENLINE_INT8_TILE(3, 1);
+  }
+#undef TOKENLINE_INT8_TILE
+}
+
+template <typename out_t>
+void packed_linear_int8_avx2(const at::Tensor& x, const at::Tensor& packed, const float* scale, const float* bias,
+                             at::Tensor& out, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0);
+  const int64_t block_bytes = pairs * 2 * kBlock;
+  thread_local std::vector<int16_t> xq;  // reused: a decode step makes ~7 such calls a layer
+  thread_local std::vector<float> x_scales;
+  int16_t* const q = scratch(xq, m * k);
+  float* const q_scales = scratch(x_scales, m);
+  quantize_rows_avx2(x, q, q_scales);
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(q);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  out_t* op = out.data_ptr<out_t>();
+  const int64_t o_stride = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
+  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
+      const int64_t nb = std::min<int64_t>(kAvx2Group, end - b0);
+      for (int64_t r0 = 0; r0 < m;) {
+        const int64_t rows = std::min<int64_t>(3, m - r0);
+        const int64_t step = rows == 1 ? 2 : 1;  // blocks a tile of these rows takes
+        for (int64_t j = 0; j < nb; j += step) {
+          const int64_t b = b0 + j;
+          avx2_int8_rows_times_blocks(rows, std::min<int64_t>(step, nb - j), xw + r0 * (k / 2), k / 2,
+                                      q_scales + r0, wp + b * block_bytes, block_bytes, pairs, scale + b * kBlock,
+                                      bias ? bias + b * kBlock : nullptr, op + r0 * o_stride + b * kBlock, o_stride,
+                                      std::min<int64_t>(n - b * kBlock, std::min<int64_t>(step, nb - j) * kBlock));
+        }
+        r0 += rows;
+      }
+    }
+  });
+}
 #endif  // TOKENLINE_HAS_AVX2_LINEAR
 
 bool packed_linear_supported() {
@@ -892,12 +1059,27 @@ bool packed_linear_supported() {
 #endif
 }
 
-// int8 weights need AVX512-VNNI's int16 dot products.
+// int8 weights run on AVX512-VNNI's int16 dot products, or on AVX2's vpmaddwd.
 bool packed_linear_int8_supported() {
-#ifdef TOKENLINE_HAS_BF16_DOT
+#if defined(TOKENLINE_HAS_BF16_DOT) || defined(TOKENLINE_HAS_AVX2_LINEAR)
   return true;
 #else
   return false;
+#endif
+}
+
+// Steps of up to this many rows run on the int8 weights, larger ones on the bf16 weights: where each kernel is
+// ahead. With AVX512-BF16, vpdpwssd runs at half vdpbf16ps's rate: int8 wins while a step streams its weights from
+// memory, to about 12 rows (Xeon, 2 cores). With AVX2 both sides are integer or fp32 arithmetic at about the same
+// rate, and int8's half bytes win to 32-48 rows (EPYC Zen 3, 2 cores, 30 layers' linears of SmolLM2: 0.62-0.68x
+// bf16's time at 1-16 rows, 0.91-0.93x at 32, 0.89-1.05x at 48).
+int64_t packed_linear_int8_max_rows() {
+#if defined(TOKENLINE_HAS_BF16_DOT)
+  return 8;
+#elif defined(TOKENLINE_HAS_AVX2_LINEAR)
+  return 32;
+#else
+  return 0;
 #endif
 }
 
@@ -993,7 +1175,7 @@ int64_t linear_amx_min_rows(int64_t rows) {
 void packed_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& bias, int64_t n) {
   check_linear_args(out, x, packed, n);
-  TORCH_CHECK(packed_linear_int8_supported(), "packed_linear_int8 needs AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(packed_linear_int8_supported(), "packed_linear_int8 needs AVX512-BF16 and AVX512-VNNI, or AVX2 and FMA");
   TORCH_CHECK(packed.scalar_type() == at::kChar, "packed_linear_int8 takes int8 weights");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) >= n, "scales must hold one value per output");
   at::Tensor bias_f, scales_f;
@@ -1002,6 +1184,9 @@ void packed_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #ifdef TOKENLINE_HAS_BF16_DOT
   if (out.scalar_type() == at::kFloat) packed_linear_int8_impl<float>(x, packed, sp, bp, out, n);
   else packed_linear_int8_impl<c10::BFloat16>(x, packed, sp, bp, out, n);
+#elif defined(TOKENLINE_HAS_AVX2_LINEAR)
+  if (out.scalar_type() == at::kFloat) packed_linear_int8_avx2<float>(x, packed, sp, bp, out, n);
+  else packed_linear_int8_avx2<c10::BFloat16>(x, packed, sp, bp, out, n);
 #endif
 }
 
@@ -1018,5 +1203,6 @@ TORCH_LIBRARY_FRAGMENT(tokenline, m) {
   m.impl("packed_linear_silu_mul", c10::DispatchKey::CPU, &packed_linear_silu_mul);
   m.def("packed_linear_supported() -> bool", &packed_linear_supported);
   m.def("packed_linear_int8_supported() -> bool", &packed_linear_int8_supported);
+  m.def("packed_linear_int8_max_rows() -> int", &packed_linear_int8_max_rows);
   m.def("linear_amx_min_rows(int rows=-1) -> int", &linear_amx_min_rows);
 }

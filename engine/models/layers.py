@@ -42,7 +42,7 @@ def select_linear_packing(device: torch.device, dtype: torch.dtype, enabled: boo
     if quantization is not None:
         if not (bf16_cpu and native_int8_available()):
             raise ValueError("quantization: int8 runs on the native CPU linear kernel: it needs device cpu, dtype "
-                             "bfloat16, prepack_weights and a CPU with AVX512-BF16 and AVX512-VNNI")
+                             "bfloat16, prepack_weights and a CPU with AVX512-BF16 and AVX512-VNNI, or AVX2 and FMA")
         return "native-int8"
     if enabled and device.type == "cpu" and dtype == torch.float32:
         return "onednn" if onednn_prepack_available(torch.float32) else None
@@ -104,9 +104,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scales
 
 
-# Steps of up to this many rows use the int8 weights: fewer bytes win while the step streams its weights from memory;
-# from about 12 rows the bf16 kernel's dot products (twice the int16 ones' rate here) win.
-INT8_MAX_ROWS = 8
+def int8_max_rows() -> int:
+    """Steps of up to this many rows use a layer's int8 weights, larger ones its bf16 weights: where the int8 kernel
+    is ahead on this CPU (engine.kernels.native_int8_max_rows: 8 with AVX512-VNNI, 32 with AVX2)."""
+    from engine.kernels import native_int8_max_rows
+    return native_int8_max_rows()
 
 
 class Linear(nn.Module):
@@ -116,7 +118,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to INT8_MAX_ROWS rows
+        self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to int8_max_rows()
         self.scales: torch.Tensor | None = None  # the int8 weights': one per output row
         self.packing: str | None = None
         # Native packing: steps of more rows than this run oneDNN's prepacked kernel on `packed_onednn`, a second
@@ -159,17 +161,17 @@ class Linear(nn.Module):
         if self.packing in ("native", "native-int8"):
             self.packed_onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             # quantization int8: steps its int8 weights serve stay on them
-            self.native_max_rows = max(rows, INT8_MAX_ROWS) if self.packed_int8 is not None else rows
+            self.native_max_rows = max(rows, int8_max_rows()) if self.packed_int8 is not None else rows
 
     def _native_kernel(self, rows: int) -> str | None:
         """Which kernel a natively packed layer runs for a step of `rows` rows: `onednn` past native_max_rows (where
-        it holds oneDNN's copy), `int8` up to INT8_MAX_ROWS (where it has int8 weights), else `bf16`; None where the
+        it holds oneDNN's copy), `int8` up to int8_max_rows() (where it has int8 weights), else `bf16`; None where the
         layer is not natively packed."""
         if self.packing not in ("native", "native-int8"):
             return None
         if self.packed_onednn is not None and rows > self.native_max_rows:
             return "onednn"
-        return "int8" if self.packed_int8 is not None and rows <= INT8_MAX_ROWS else "bf16"
+        return "int8" if self.packed_int8 is not None and rows <= int8_max_rows() else "bf16"
 
     @staticmethod
     def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
