@@ -825,6 +825,32 @@ inline void widen_block(const uint32_t* w, int64_t pairs, float* dst) {
     }
 }
 
+inline int64_t avx2_grain(int64_t blocks) {
+  return std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
+}
+
+// A decode-sized step's tiles: each thread takes groups of kAvx2Group blocks and runs every row of x against a
+// group (its weights stay hot in L1/L2) in tiles of up to 3 rows, or 1 row, against up to `blocks_of_rows` (or
+// `blocks_of_one`) blocks: tile(r0, rows, b, nb, n_valid), n_valid the outputs of the tile's blocks that exist.
+template <typename Tile>
+void for_each_avx2_tile(int64_t m, int64_t blocks, int64_t n, int64_t blocks_of_one, int64_t blocks_of_rows,
+                        const Tile& tile) {
+  tokenline::parallel_for(0, blocks, avx2_grain(blocks), [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
+      const int64_t group = std::min<int64_t>(kAvx2Group, end - b0);
+      for (int64_t r0 = 0; r0 < m;) {
+        const int64_t rows = std::min<int64_t>(3, m - r0);
+        const int64_t step = rows == 1 ? blocks_of_one : blocks_of_rows;
+        for (int64_t j = 0; j < group; j += step) {
+          const int64_t b = b0 + j, nb = std::min<int64_t>(step, group - j);
+          tile(r0, rows, b, nb, std::min<int64_t>(n - b * kBlock, nb * kBlock));
+        }
+        r0 += rows;
+      }
+    }
+  });
+}
+
 template <typename out_t>
 void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out,
                         int64_t n) {
@@ -851,9 +877,8 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
   if (m >= kAvx2PanelRows) {
-    tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, blocks, avx2_grain(blocks), [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> wbuf;  // a group's weights in fp32: 147 KB at K = 576
       float* const wf = scratch(wbuf, kAvx2Group * k * kBlock);
       for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
@@ -871,21 +896,9 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
     });
     return;
   }
-  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
-      const int64_t nb = std::min<int64_t>(kAvx2Group, end - b0);
-      for (int64_t r0 = 0; r0 < m;) {
-        const int64_t rows = std::min<int64_t>(3, m - r0);
-        const int64_t step = rows == 1 ? 4 : 2;  // blocks a tile of these rows takes
-        for (int64_t j = 0; j < nb; j += step) {
-          const int64_t b = b0 + j;
-          avx2_rows_times_blocks(rows, std::min<int64_t>(step, nb - j), xf + r0 * k, k, wp + b * block_words,
-                                 block_words, pairs, bias ? bias + b * kBlock : nullptr, op + r0 * o_stride + b * kBlock,
-                                 o_stride, std::min<int64_t>(n - b * kBlock, std::min<int64_t>(step, nb - j) * kBlock));
-        }
-        r0 += rows;
-      }
-    }
+  for_each_avx2_tile(m, blocks, n, 4, 2, [&](int64_t r0, int64_t rows, int64_t b, int64_t nb, int64_t n_valid) {
+    avx2_rows_times_blocks(rows, nb, xf + r0 * k, k, wp + b * block_words, block_words, pairs,
+                           bias ? bias + b * kBlock : nullptr, op + r0 * o_stride + b * kBlock, o_stride, n_valid);
   });
 }
 
@@ -1019,8 +1032,7 @@ void avx2_int8_rows_times_blocks(int64_t mr, int64_t nb, const uint32_t* x, int6
 template <typename out_t>
 void packed_linear_int8_avx2(const at::Tensor& x, const at::Tensor& packed, const float* scale, const float* bias,
                              at::Tensor& out, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0);
-  const int64_t block_bytes = pairs * 2 * kBlock;
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), block_bytes = pairs * 2 * kBlock;
   thread_local std::vector<int16_t> xq;  // reused: a decode step makes ~7 such calls a layer
   thread_local std::vector<float> x_scales;
   int16_t* const q = scratch(xq, m * k);
@@ -1030,23 +1042,11 @@ void packed_linear_int8_avx2(const at::Tensor& x, const at::Tensor& packed, cons
   const int8_t* wp = packed.data_ptr<int8_t>();
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
-  tokenline::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
-      const int64_t nb = std::min<int64_t>(kAvx2Group, end - b0);
-      for (int64_t r0 = 0; r0 < m;) {
-        const int64_t rows = std::min<int64_t>(3, m - r0);
-        const int64_t step = rows == 1 ? 2 : 1;  // blocks a tile of these rows takes
-        for (int64_t j = 0; j < nb; j += step) {
-          const int64_t b = b0 + j;
-          avx2_int8_rows_times_blocks(rows, std::min<int64_t>(step, nb - j), xw + r0 * (k / 2), k / 2,
-                                      q_scales + r0, wp + b * block_bytes, block_bytes, pairs, scale + b * kBlock,
-                                      bias ? bias + b * kBlock : nullptr, op + r0 * o_stride + b * kBlock, o_stride,
-                                      std::min<int64_t>(n - b * kBlock, std::min<int64_t>(step, nb - j) * kBlock));
-        }
-        r0 += rows;
-      }
-    }
+  for_each_avx2_tile(m, packed.size(0), n, 2, 1, [&](int64_t r0, int64_t rows, int64_t b, int64_t nb,
+                                                     int64_t n_valid) {
+    avx2_int8_rows_times_blocks(rows, nb, xw + r0 * (k / 2), k / 2, q_scales + r0, wp + b * block_bytes, block_bytes,
+                                pairs, scale + b * kBlock, bias ? bias + b * kBlock : nullptr,
+                                op + r0 * o_stride + b * kBlock, o_stride, n_valid);
   });
 }
 #endif  // TOKENLINE_HAS_AVX2_LINEAR
