@@ -48,7 +48,8 @@ def tokens_and_logprobs(engine: LLMEngine) -> dict[str, list]:
 
 @needs_native
 @pytest.mark.parametrize("family, quantization", [("llama", None), ("qwen2", None), pytest.param(
-    "llama", "int8", marks=pytest.mark.skipif(not native_int8_available(), reason="int8 weights need AVX512-VNNI or AVX2"))])
+    "llama", "int8",
+    marks=pytest.mark.skipif(not native_int8_available(), reason="int8 weights need AVX512-VNNI or AVX2"))])
 def test_native_layers_give_the_python_layers_bits(tmp_path, monkeypatch, family, quantization):
     write_tiny_model(tmp_path, family, seed=5, **SHAPE)  # qwen2: a bias on qkv
     runs = []
