@@ -4,7 +4,7 @@ Every linear of SmolLM2-135M's 30 decoder layers on random weights (qkv 576 -> 9
 3072, down 1536 -> 576), packed once as bf16 (`packed_linear`) and once as int8 (`packed_linear_int8`), timed in
 turn at each row count: each round runs all layers once per kernel, alternately, and the table gives each kernel's
 median and the ratio of the medians. The weights (212 MB in bf16) do not fit in cache, so a few rows stream them
-from memory, as a decode step does. `engine.models.layers.int8_max_rows()` is where the engine switches (8 with
+from memory, as a decode step does. `engine.kernels.native_int8_max_rows()` is where the engine switches (8 with
 AVX512-VNNI, 32 with AVX2); this shows why on the CPU at hand.
 
     python -m benchmarks.int8_linear --rows 1,2,4,8,16,32,48

@@ -2,7 +2,7 @@
 reads those answers back (teacher forcing, `prompt_logprobs`) and we count how often its top token is the bf16
 answer's next token (greedy agreement) and the mean log-probability it gives those tokens.
 
-int8 weights serve steps of up to `engine.models.layers.int8_max_rows()` rows (8 with AVX512-VNNI, 32 with AVX2:
+int8 weights serve steps of up to `engine.kernels.native_int8_max_rows()` rows (8 with AVX512-VNNI, 32 with AVX2:
 decode at low and moderate concurrency; larger steps use the bf16 weights), so a quantized engine reads the answers
 back in steps of that many tokens (`max_num_batched_tokens`): every token through the int8 weights, as a decode
 step would.
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import native_int8_max_rows
 from engine.loader import load_model_source, load_tokenizer
-from engine.models.layers import int8_max_rows
 
 PROMPTS = (
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
@@ -84,7 +84,7 @@ def compare(model: str, prompts: list[list[int]], max_tokens: int, threads: int 
     reference = engine(None)
     answers = reference.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     results = [score(reference, prompts, answers, "bf16")]
-    results += [score(engine(q, int8_max_rows()), prompts, answers, q) for q in quantizations]
+    results += [score(engine(q, native_int8_max_rows()), prompts, answers, q) for q in quantizations]
     return results
 
 

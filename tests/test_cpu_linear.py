@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_has_amx, native_int8_available, native_linear_amx, native_linear_available
+from engine.kernels import (cpu_has_amx, native_int8_available, native_int8_max_rows, native_linear_amx,
+                            native_linear_available)
 from engine.config import EngineConfig
 from engine.models.layers import (AMX_NATIVE_MAX_ROWS, AMX_TILES_MAX_ROWS, Linear, default_native_max_rows,
-                                  int8_max_rows, onednn_prepack_available, quantize_int8, select_linear_packing)
+                                  onednn_prepack_available, quantize_int8, select_linear_packing)
 
 needs_native = pytest.mark.skipif(not native_linear_available(),
                                   reason="this CPU has neither AVX512-BF16 nor AVX2 with FMA (or no C++ "
@@ -190,7 +191,7 @@ def test_steps_past_the_native_rows_run_onednn_and_the_rest_stay_native(int8):
     packing = "native-int8" if int8 else "native"
     split, native, onednn = (linear(576, 96, True, p) for p in (packing, packing, "onednn"))
     split.use_onednn_above(4)
-    assert split.native_max_rows == (int8_max_rows() if int8 else 4)  # int8 weights keep the steps they serve
+    assert split.native_max_rows == (native_int8_max_rows() if int8 else 4)  # int8 weights keep the steps they serve
     for rows in (1, 4, 5, 8, 9, 64):
         x = torch.randn(2, rows, 576).to(torch.bfloat16)  # leading dims: rows counted over all of them
         for dtype in (None, torch.float32):
@@ -251,7 +252,7 @@ def test_int8_layer_uses_int8_weights_for_decode_sized_steps_and_bf16_beyond():
     layer = linear(576, 96, True, "native-int8")
     bf16 = linear(576, 96, True, "native")
     assert layer.packing == "native-int8" and layer.packed_int8.dtype == torch.int8
-    most = int8_max_rows()
+    most = native_int8_max_rows()
     x = torch.randn(most + 1, 576).to(torch.bfloat16)
     int8_rows = dequantized(layer.packed_int8, layer.scales, 96)
     expected = F.linear(x[:most].float(), int8_rows, layer.bias.float())
@@ -265,18 +266,18 @@ def test_int8_steps_go_as_far_as_the_instruction_set_makes_them_pay():
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         flags = next((line.split() for line in f if line.startswith("flags")), [])
     if not native_int8_available():
-        assert int8_max_rows() == 0
+        assert native_int8_max_rows() == 0
     elif {"avx512_bf16", "avx512_vnni"} <= set(flags):
-        assert int8_max_rows() == 8  # vpdpwssd at half vdpbf16ps's rate
+        assert native_int8_max_rows() == 8  # vpdpwssd at half vdpbf16ps's rate
     else:
-        assert {"avx2", "fma"} <= set(flags) and int8_max_rows() == 32  # vpmaddwd against fp32 FMAs
+        assert {"avx2", "fma"} <= set(flags) and native_int8_max_rows() == 32  # vpmaddwd against fp32 FMAs
 
 
 @needs_int8
 @pytest.mark.parametrize("in_features", [576, 4098])  # one chunk of int32 sums; three, the last a single k pair
 def test_int8_rows_do_not_depend_on_their_neighbours(in_features):
     layer = linear(in_features, 96, True, "native-int8")
-    rows = min(int8_max_rows(), 13)  # every tile shape of the kernels, whole and partial
+    rows = min(native_int8_max_rows(), 13)  # every tile shape of the kernels, whole and partial
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     together = layer(x, out_dtype=torch.float32)
     for i in range(rows):
@@ -311,7 +312,7 @@ def test_int8_default_model_agrees_with_bf16_on_its_greedy_answers(smollm2_path)
     prompts = chat_prompts(str(smollm2_path), PROMPTS[:4])
     bf16, int8 = compare(str(smollm2_path), prompts, max_tokens=32)
     assert bf16.greedy_agreement == 1.0 and bf16.tokens == int8.tokens == 4 * 32
-    assert int8.step_tokens == int8_max_rows()
+    assert int8.step_tokens == native_int8_max_rows()
     # Measured on the 16 prompts of benchmarks.quant_accuracy: 95.9%, mean logprob -0.665 against bf16's -0.659.
     assert int8.greedy_agreement >= 0.85
     assert int8.mean_logprob >= bf16.mean_logprob - 0.05

@@ -50,6 +50,19 @@ constexpr int64_t kBlock = 16;  // outputs per packed block (one zmm of fp32)
 constexpr float kXMax = 8191.0f;
 constexpr int64_t kInt16ChunkPairs = 1024;
 
+// Blocks a thread takes at a time: enough block ranges to balance the threads, each of up to `group` blocks whose
+// weights stay hot across the rows of x.
+inline int64_t group_grain(int64_t blocks, int64_t group) {
+  return std::max<int64_t>(1, std::min<int64_t>(group, blocks / (2 * at::get_num_threads())));
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
 // [N, K] row-major -> [ceil(N/16), K/2, 16, 2]; rows past N are zero.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_linear_weight takes a bf16 [N, K]");
@@ -246,17 +259,11 @@ void rows_times_group(const Rows& rows, const Weights& wt, int64_t pairs, const 
   }
 }
 
-// Blocks a thread takes at a time: enough block ranges to balance the threads; each range keeps its weights hot
-// across the rows of x.
-inline int64_t group_grain(int64_t blocks) {
-  return std::max<int64_t>(1, std::min<int64_t>(kGroup, blocks / (2 * at::get_num_threads())));
-}
-
 // Calls tile(b0, nr, next_nr) for each group of up to kGroup blocks, the groups shared between the threads;
 // next_nr: the blocks of the group the same thread takes next (0 for its last).
 template <typename Tile>
 void for_each_group(int64_t blocks, const Tile& tile) {
-  tokenline::parallel_for(0, blocks, group_grain(blocks), [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, group_grain(blocks, kGroup), [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
       const int64_t nr = std::min<int64_t>(kGroup, end - b0);
       tile(b0, nr, std::min<int64_t>(kGroup, std::max<int64_t>(0, end - b0 - nr)));
@@ -584,7 +591,7 @@ void amx_pairs_of_blocks(const ATiles& a, int64_t m, int64_t k_tiles, const uint
 template <typename out_t>
 void amx_groups_of_four(const uint16_t* x, int64_t x_bytes, int64_t m, const uint16_t* wp, int64_t block_elems,
                         int64_t blocks, int64_t k_tiles, const float* bias, out_t* op, int64_t o_stride, int64_t n) {
-  tokenline::parallel_for(0, blocks, group_grain(blocks), [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, group_grain(blocks, kGroup), [&](int64_t begin, int64_t end) {
     alignas(64) float c[kGroup * 256];
     configure_tiles(m);
     for (int64_t b0 = begin; b0 < end; b0 += kGroup) {
@@ -618,8 +625,6 @@ void packed_linear_amx(const at::Tensor& x, const at::Tensor& packed, const floa
 }
 
 #endif  // TOKENLINE_HAS_AMX
-
-inline float bf16_to_float(uint16_t bits) { return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits())); }
 
 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -842,17 +847,13 @@ inline void widen_block(const uint32_t* w, int64_t pairs, float* dst) {
     }
 }
 
-inline int64_t avx2_grain(int64_t blocks) {
-  return std::max<int64_t>(1, std::min<int64_t>(kAvx2Group, blocks / (2 * at::get_num_threads())));
-}
-
 // A decode-sized step's tiles: each thread takes groups of kAvx2Group blocks and runs every row of x against a
 // group (its weights stay hot in L1/L2) in tiles of up to 3 rows, or 1 row, against up to `blocks_of_rows` (or
 // `blocks_of_one`) blocks: tile(r0, rows, b, nb, n_valid), n_valid the outputs of the tile's blocks that exist.
 template <typename Tile>
 void for_each_avx2_tile(int64_t m, int64_t blocks, int64_t n, int64_t blocks_of_one, int64_t blocks_of_rows,
                         const Tile& tile) {
-  tokenline::parallel_for(0, blocks, avx2_grain(blocks), [&](int64_t begin, int64_t end) {
+  tokenline::parallel_for(0, blocks, group_grain(blocks, kAvx2Group), [&](int64_t begin, int64_t end) {
     for (int64_t b0 = begin; b0 < end; b0 += kAvx2Group) {
       const int64_t group = std::min<int64_t>(kAvx2Group, end - b0);
       for (int64_t r0 = 0; r0 < m;) {
@@ -895,7 +896,7 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
   out_t* op = out.data_ptr<out_t>();
   const int64_t o_stride = out.stride(0);
   if (m >= kAvx2PanelRows) {
-    tokenline::parallel_for(0, blocks, avx2_grain(blocks), [&](int64_t begin, int64_t end) {
+    tokenline::parallel_for(0, blocks, group_grain(blocks, kAvx2Group), [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> wbuf;  // a group's weights in fp32: 147 KB at K = 576
       float* const wf = scratch(wbuf, kAvx2Group * k * kBlock);
       const int64_t row_tiles = (m + 5) / 6;
@@ -934,13 +935,6 @@ void packed_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const flo
 // waits for. The sums are finished as the VNNI kernel finishes them (each chunk's int32 sums converted and added in
 // order, then one FMA: sums * (scale * x_scale) + bias), so a row's result does not depend on its neighbours.
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-
 // Each row of x (bf16) as int16, scaled so that its largest |value| becomes kXMax; its scale goes to scales.
 void quantize_rows_avx2(const at::Tensor& x, int16_t* q, float* scales) {
   const int64_t m = x.size(0), k = x.size(1), stride = x.stride(0);
@@ -957,7 +951,7 @@ void quantize_rows_avx2(const at::Tensor& x, int16_t* q, float* scales) {
       _mm256_store_ps(lanes, top);
       float amax = 0.0f;
       for (float v : lanes) amax = std::max(amax, v);
-      for (; i < k; ++i) amax = std::max(amax, std::fabs(bf16_bits_to_float(row[i])));
+      for (; i < k; ++i) amax = std::max(amax, std::fabs(bf16_to_float(row[i])));
       const float scale = amax > 0 ? amax / kXMax : 1.0f;
       const float inv_scale = 1.0f / scale;
       const __m256 inv = _mm256_set1_ps(inv_scale);
@@ -967,7 +961,7 @@ void quantize_rows_avx2(const at::Tensor& x, int16_t* q, float* scales) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
                          _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
       }
-      for (; i < k; ++i) dst[i] = static_cast<int16_t>(std::nearbyint(bf16_bits_to_float(row[i]) * inv_scale));
+      for (; i < k; ++i) dst[i] = static_cast<int16_t>(std::nearbyint(bf16_to_float(row[i]) * inv_scale));
     }
   });
 }

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import native_int8_max_rows
+
 log = logging.getLogger(__name__)
 
 
@@ -104,13 +106,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scales
 
 
-def int8_max_rows() -> int:
-    """Steps of up to this many rows use a layer's int8 weights, larger ones its bf16 weights: where the int8 kernel
-    is ahead on this CPU (engine.kernels.native_int8_max_rows: 8 with AVX512-VNNI, 32 with AVX2)."""
-    from engine.kernels import native_int8_max_rows
-    return native_int8_max_rows()
-
-
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -118,7 +113,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
-        self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to int8_max_rows()
+        self.packed_int8: torch.Tensor | None = None  # quantization int8: for steps of up to native_int8_max_rows()
         self.scales: torch.Tensor | None = None  # the int8 weights': one per output row
         self.packing: str | None = None
         # Native packing: steps of more rows than this run oneDNN's prepacked kernel on `packed_onednn`, a second
@@ -161,17 +156,17 @@ class Linear(nn.Module):
         if self.packing in ("native", "native-int8"):
             self.packed_onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             # quantization int8: steps its int8 weights serve stay on them
-            self.native_max_rows = max(rows, int8_max_rows()) if self.packed_int8 is not None else rows
+            self.native_max_rows = max(rows, native_int8_max_rows()) if self.packed_int8 is not None else rows
 
     def _native_kernel(self, rows: int) -> str | None:
         """Which kernel a natively packed layer runs for a step of `rows` rows: `onednn` past native_max_rows (where
-        it holds oneDNN's copy), `int8` up to int8_max_rows() (where it has int8 weights), else `bf16`; None where the
-        layer is not natively packed."""
+        it holds oneDNN's copy), `int8` up to native_int8_max_rows() (where it has int8 weights), else `bf16`; None
+        where the layer is not natively packed."""
         if self.packing not in ("native", "native-int8"):
             return None
         if self.packed_onednn is not None and rows > self.native_max_rows:
             return "onednn"
-        return "int8" if self.packed_int8 is not None and rows <= int8_max_rows() else "bf16"
+        return "int8" if self.packed_int8 is not None and rows <= native_int8_max_rows() else "bf16"
 
     @staticmethod
     def _kernel_rows(x: torch.Tensor) -> torch.Tensor:

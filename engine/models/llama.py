@@ -15,9 +15,9 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelArgs
-from engine.kernels import rotary_embedding_
+from engine.kernels import native_int8_max_rows, rotary_embedding_
 from engine.loader import CheckpointTensor, as_checkpoint
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, int8_max_rows
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.tp_group import TensorParallelGroup
 from engine.tp_layout import ShardLayout
 
@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.ops.tokenline.llama_layers(
             x, positions, meta.slot_mapping, meta.token_block_tables, meta.token_positions + 1, self.rope.cos_sin,
             self._native_params, k_caches, v_caches, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.layers[0].mlp.intermediate_size, self.norm.eps, attn.backend.scale, int8_max_rows(),
+            self.layers[0].mlp.intermediate_size, self.norm.eps, attn.backend.scale, native_int8_max_rows(),
             attn.backend.query_tiles)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
