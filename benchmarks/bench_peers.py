@@ -167,6 +167,7 @@ SHM_DIR = Path("/dev/shm")
 # until someone removes them); and Intel OpenMP's registration of each process that loaded it (1 KB each, named for
 # the process, removed at a clean exit: vLLM's six processes a run left theirs).
 SHM_PREFIXES = ("psm_", "sem.mp-", "__KMP_REGISTERED_LIB_")
+SHM_RELEASE_WAIT_S = 30.0  # how long a stopped server's processes get to let go of theirs
 
 
 def shm_names(directory: Path = SHM_DIR) -> set[str]:
@@ -198,21 +199,31 @@ def held_paths() -> set[str]:
     return held
 
 
-def sweep_shm(before: set[str], directory: Path = SHM_DIR) -> list[str]:
+def sweep_shm(before: set[str], directory: Path = SHM_DIR, wait_s: float = 0.0) -> list[str]:
     """Removes the multiprocessing shared-memory files that appeared since `before` and that no live process holds;
-    returns their names."""
-    held = held_paths()
-    removed = []
-    for name in sorted(shm_names(directory) - before):
-        path = directory / name
-        if not name.startswith(SHM_PREFIXES) or str(path) in held:
-            continue
-        try:
-            path.unlink()
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    returns their names. With `wait_s`, files still held are looked at again every half second until they are let go
+    or that long has passed: a server's processes killed a moment ago may still be unmapping theirs (after one run
+    vLLM's 160 and 240 MiB psm_ blocks were held at the first look and left behind, nothing holding them later)."""
+    removed: list[str] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = held_paths()
+        waiting = False
+        for name in sorted(shm_names(directory) - before - set(removed)):
+            path = directory / name
+            if not name.startswith(SHM_PREFIXES):
+                continue
+            if str(path) in held:
+                waiting = True
+                continue
+            try:
+                path.unlink()
+                removed.append(name)
+            except OSError:
+                pass
+        if not waiting or time.monotonic() >= deadline:
+            return sorted(removed)
+        time.sleep(0.5)
 
 
 def stop(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -571,7 +582,7 @@ def main() -> None:
                 record(level, r)
         finally:
             stop(process)
-            leaked = sweep_shm(shm_before)
+            leaked = sweep_shm(shm_before, wait_s=SHM_RELEASE_WAIT_S)
             if leaked:
                 log.info("%s left %d shared-memory file(s) no process holds in %s; removed: %s", system.name,
                          len(leaked), SHM_DIR, ", ".join(leaked))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import threading
+import time
 
 from benchmarks.bench_peers import (IN_PROCESS, Level, System, median_levels, parse_system, ratio_spread,
                                     round_order, run_engine_workload, served_shares, served_steps, shm_names,
@@ -25,6 +27,26 @@ def test_shared_memory_a_stopped_server_left_behind_is_removed_and_nothing_else(
         assert sweep_shm(before, tmp_path) == ["__KMP_REGISTERED_LIB_123_0", "psm_leaked", "sem.mp-leaked"]
     assert shm_names(tmp_path) == {"psm_before", "psm_mapped", "tokenline-weights-1.bin"}
     assert sweep_shm(shm_names(tmp_path), tmp_path) == []
+
+
+def test_a_file_still_held_when_its_server_stops_is_removed_once_let_go_within_the_wait(tmp_path):
+    before = shm_names(tmp_path)
+    (tmp_path / "psm_dying").write_bytes(b"x" * 4096)
+    (tmp_path / "psm_kept").write_bytes(b"x" * 4096)
+    f = open(tmp_path / "psm_dying", "r+b")
+    mapped = mmap.mmap(f.fileno(), 4096)
+    kept = open(tmp_path / "psm_kept", "rb")  # held past the wait: a live process's, not removed
+    release = threading.Timer(1.5, lambda: (mapped.close(), f.close()))  # a killed process unmapping it
+    release.start()
+    try:
+        started = time.monotonic()
+        assert sweep_shm(before, tmp_path) == []  # no wait: both held at the first look
+        assert sweep_shm(before, tmp_path, wait_s=4.0) == ["psm_dying"]
+        assert 1.4 < time.monotonic() - started < 4.0 + 2.0
+        assert shm_names(tmp_path) == {"psm_kept"}
+    finally:
+        release.join()
+        kept.close()
 
 
 def level(system: str, round_: int, tok_s: float, ttft_ms: float, concurrency: int = 32) -> Level:
